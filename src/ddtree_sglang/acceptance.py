@@ -1,0 +1,67 @@
+"""Acceptance: walk each request's tree along the target's own choices.
+
+At every tree node the target makes one choice: its argmax (greedy) or one sample from its
+processed distribution (sampling).  Starting at the root, the walk moves to the child whose token
+equals the target's choice at the current node, and stops where no child matches; the target's
+choice there is the bonus token.  Sibling tokens are distinct, so at most one child matches and
+the accepted nodes form a path.  Every emitted token is the target's own choice given its prefix,
+so greedy output equals the target's greedy output and sampled output follows the target's
+distribution (the tree depends only on the context, not on the target's samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """accept_path [bs, max_depth + 1]: tree indices of the root and accepted nodes by depth,
+    -1 past the end.  accept_len [bs]: accepted draft nodes + 1 (counts the bonus token, i.e.
+    the number of tokens committed this step).  bonus [bs]: the target's choice at the last
+    accepted node.  accepted [bs, N]: membership mask of the path (root included)."""
+
+    accept_path: torch.Tensor
+    accept_len: torch.Tensor
+    bonus: torch.Tensor
+    accepted: torch.Tensor
+
+
+def accept_tree(draft_tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                target_choice: torch.Tensor, max_depth: int) -> Acceptance:
+    """draft_tokens, parents, depths, target_choice: [bs, N] over tree indices (root at 0,
+    parents -1 at the root).  Vectorized over the batch; loops over depth only; no host sync."""
+    bs, n = draft_tokens.shape
+    device = draft_tokens.device
+    safe_par = parents.clamp(min=0)
+    # A node matches when its token is the target's choice at its parent.
+    matches = draft_tokens == target_choice.gather(1, safe_par)
+    matches[:, 0] = True
+    accepted = matches.clone()
+    for _ in range(max_depth):  # accepted = matches along the whole ancestor chain
+        accepted = matches & accepted.gather(1, safe_par)
+    accepted[:, 0] = True
+    accept_len = accepted.sum(dim=1)  # root + accepted nodes = nodes + bonus
+    path = torch.full((bs, max_depth + 1), -1, dtype=torch.long, device=device)
+    slot = torch.where(accepted, depths, torch.full_like(depths, max_depth + 1))
+    idx = torch.arange(n, device=device).expand(bs, n)
+    scratch = torch.full((bs, max_depth + 2), -1, dtype=torch.long, device=device)
+    scratch.scatter_(1, slot, idx)
+    path = scratch[:, : max_depth + 1]
+    last = path.gather(1, (accept_len - 1).unsqueeze(1)).squeeze(1)
+    bonus = target_choice.gather(1, last.unsqueeze(1)).squeeze(1)
+    return Acceptance(accept_path=path, accept_len=accept_len, bonus=bonus, accepted=accepted)
+
+
+def committed_tokens(draft_tokens: torch.Tensor, acc: Acceptance) -> torch.Tensor:
+    """[bs, max_depth + 1] tokens emitted this step: the accepted draft tokens then the bonus,
+    padded with -1.  Entry j < accept_len is valid (the root itself is not re-emitted)."""
+    bs, width = acc.accept_path.shape
+    nodes = acc.accept_path[:, 1:]
+    toks = draft_tokens.gather(1, nodes.clamp(min=0))
+    out = torch.full((bs, width), -1, dtype=torch.long, device=draft_tokens.device)
+    out[:, : width - 1] = torch.where(nodes >= 0, toks, out[:, : width - 1])
+    out.scatter_(1, (acc.accept_len - 1).unsqueeze(1), acc.bonus.unsqueeze(1))
+    return out

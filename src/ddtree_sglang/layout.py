@@ -1,0 +1,166 @@
+"""Verify layout: a batch of draft trees flattened into what a tree-verify target pass consumes.
+
+Each request verifies N = B + 1 tokens: the root (the last committed "bonus" token, which the
+target has not processed yet) at tree index 0, then the B draft nodes in tree order (node i of
+the DraftTree is tree index i + 1).  The arrays below carry the same meaning as those SGLang's
+EAGLE path builds (eagle_utils.build_tree_kernel_efficient, verify_tree_greedy):
+
+* draft_tokens [bs * N]: root first, then the nodes.
+* positions    [bs * N]: seq_len + depth (root depth 0); siblings share a position.
+* ancestors    [bs, N, N] bool: row i is True on i's ancestors and i itself (root included).
+* full_mask    flat bool: per request a row-major N x (seq_len + N) block, prefix columns all
+  True, then the ancestor block; requests concatenated (SGLang's TreeMaskMode.FULL_MASK).
+* packed_mask  [bs, N, ceil(N / 32)] int32: row i's ancestor bits, bit j of word j // 32
+  (the QLEN_ONLY_BITPACKING meaning, widened to any N).
+* retrieve_index [bs, N] = b * N + i; retrieve_next_token [bs, N] = first (lowest-index) child,
+  -1 if none; retrieve_next_sibling [bs, N] = next sibling in index order, -1 if none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree_sglang.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    draft_tokens: torch.Tensor
+    positions: torch.Tensor
+    ancestors: torch.Tensor
+    retrieve_index: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+    tree_parents: torch.Tensor  # [bs, N] parent tree index, -1 for the root
+    tree_depths: torch.Tensor  # [bs, N] depth, 0 for the root
+
+    @property
+    def num_tokens_per_req(self) -> int:
+        return self.retrieve_index.shape[1]
+
+
+def tree_parents_and_depths(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parent and depth arrays over the N = B + 1 tree indices (root = 0, parent -1)."""
+    bs = tree.batch_size
+    device = tree.tokens.device
+    root_parent = torch.full((bs, 1), -1, dtype=torch.long, device=device)
+    parents = torch.cat([root_parent, tree.parents + 1], dim=1)  # node parent -1 -> root 0
+    depths = torch.cat([torch.zeros((bs, 1), dtype=torch.long, device=device), tree.depths], 1)
+    return parents, depths
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[bs, N, N] bool, row i True on the ancestors of i and on i (parents: -1 at the root)."""
+    bs, n = parents.shape
+    idx = torch.arange(n, device=parents.device).expand(bs, n)
+    step = torch.where(parents < 0, idx, parents)  # the root is its own parent
+    anc = torch.zeros((bs, n, n), dtype=torch.bool, device=parents.device)
+    cur = idx.clone()
+    anc.scatter_(2, cur.unsqueeze(-1), True)
+    for _ in range(max_depth):
+        cur = step.gather(1, cur)
+        anc.scatter_(2, cur.unsqueeze(-1), True)
+    return anc
+
+
+def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First child and next sibling of every tree index, both in increasing index order."""
+    bs, n = parents.shape
+    device = parents.device
+    idx = torch.arange(n, device=device).expand(bs, n)
+    # Sort by (parent, index); the root (parent -1) sorts first and has no siblings.
+    key = (parents + 1) * n + idx
+    order = torch.sort(key, dim=-1).indices
+    sorted_par = parents.gather(1, order)
+    same_next = torch.zeros_like(parents, dtype=torch.bool)
+    same_next[:, :-1] = (sorted_par[:, 1:] == sorted_par[:, :-1]) & (sorted_par[:, :-1] >= 0)
+    nxt = torch.full_like(order, -1)
+    nxt[:, :-1] = torch.where(same_next[:, :-1], order[:, 1:], nxt[:, :-1])
+    next_sibling = torch.full_like(parents, -1).scatter(1, order, nxt)
+    # First child: the smallest child index of each parent.
+    first_child = torch.full((bs, n + 1), n, dtype=torch.long, device=device)
+    first_child.scatter_reduce_(1, (parents + 1).clamp(min=0), idx, reduce="amin")
+    first_child = first_child[:, 1:]  # column p + 1 holds the children of p
+    first_child = torch.where(first_child == n, torch.full_like(first_child, -1), first_child)
+    return first_child, next_sibling
+
+
+def build_verify_layout(tree: DraftTree, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
+                        max_depth: int | None = None) -> VerifyLayout:
+    """Flatten a batch of trees for one verify pass (no host synchronisation).
+
+    root_tokens: [bs] the bonus token of each request; seq_lens: [bs] committed lengths
+    (tokens already in the target KV cache, not counting the root).
+    """
+    parents, depths = tree_parents_and_depths(tree)
+    bs, n = parents.shape
+    device = parents.device
+    if max_depth is None:
+        max_depth = n - 1
+    draft_tokens = torch.cat([root_tokens.view(bs, 1).long(), tree.tokens], dim=1).reshape(-1)
+    positions = (seq_lens.view(bs, 1).long() + depths).reshape(-1)
+    first_child, next_sibling = sibling_links(parents)
+    retrieve_index = torch.arange(bs * n, device=device).view(bs, n)
+    return VerifyLayout(
+        draft_tokens=draft_tokens,
+        positions=positions,
+        ancestors=ancestor_matrix(parents, max_depth),
+        retrieve_index=retrieve_index,
+        retrieve_next_token=first_child,
+        retrieve_next_sibling=next_sibling,
+        tree_parents=parents,
+        tree_depths=depths,
+    )
+
+
+def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """SGLang FULL_MASK: per request N x (seq_len + N), prefix visible, tree block = ancestors.
+
+    `seq_lens_sum` is the host-side sum SGLang already keeps, so the size needs no sync.
+    """
+    bs, n, _ = ancestors.shape
+    total = seq_lens_sum * n + bs * n * n
+    device = ancestors.device
+    seq = seq_lens.long()
+    block = n * (seq + n)
+    starts = torch.cumsum(block, 0) - block
+    flat = torch.arange(total, device=device)
+    req = torch.searchsorted(torch.cumsum(block, 0), flat, right=True).clamp(max=bs - 1)
+    local = flat - starts[req]
+    width = seq[req] + n
+    row, col = local // width, local % width
+    tree_col = col - seq[req]
+    in_tree = tree_col >= 0
+    anc_val = ancestors[req, row, tree_col.clamp(min=0)]
+    mask = torch.where(in_tree, anc_val, torch.ones_like(anc_val))
+    if out is not None:
+        out[:total].copy_(mask)
+        return out
+    return mask
+
+
+def packed_mask(ancestors: torch.Tensor) -> torch.Tensor:
+    """[bs, N, ceil(N / 32)] int32 words; bit j % 32 of word j // 32 is ancestors[..., j]."""
+    bs, n, _ = ancestors.shape
+    words = (n + 31) // 32
+    padded = torch.zeros((bs, n, words * 32), dtype=torch.int64, device=ancestors.device)
+    padded[..., :n] = ancestors.long()
+    weights = torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int64, device=ancestors.device),
+        torch.arange(32, device=ancestors.device),
+    )
+    packed = (padded.view(bs, n, words, 32) * weights).sum(-1)
+    # Reinterpret the low 32 bits as signed int32 (bit 31 set -> negative).
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of packed_mask: [bs, N, words] int32 -> [bs, N, N] bool."""
+    bits = torch.arange(32, device=packed.device, dtype=torch.int64)
+    words = packed.long() & 0xFFFFFFFF
+    unpacked = (words.unsqueeze(-1) >> bits) & 1
+    return unpacked.flatten(-2)[..., :n].bool()

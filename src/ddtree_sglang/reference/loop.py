@@ -1,0 +1,153 @@
+"""The reference generation loop: autoregressive, DFlash chain and DDTree(B), in plain PyTorch.
+
+This is the oracle the SGLang worker is checked against and the engine of the CPU demo.  It
+favours obviousness over speed: the target recomputes the whole sequence every step (no KV
+cache), so every verify pass is a fresh, exact forward with a tree attention mask, and the
+drafter sees the tapped target features of every committed token.  One request at a time.
+
+A step of the speculative modes (names follow the paper):
+  1. draft:  block [bonus, MASK x (bs-1)] -> drafter -> target lm_head -> logits for depths 1..L
+  2. tree:   the B best prefixes (DDTree) or the argmax chain (DFlash)
+  3. verify: one target pass over [committed prefix || root + tree] with the ancestor mask
+  4. accept: walk the tree along the target's choices; commit the path and the bonus token
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.layout import build_verify_layout
+from ddtree_sglang.reference.drafter import DFlashDrafter
+from ddtree_sglang.sampling import SamplingParams, target_choice
+from ddtree_sglang.tree import build_draft_tree, chain_tree
+
+Mode = Literal["ar", "chain", "ddtree"]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    accept_lens: list[int] = field(default_factory=list)  # per verify step, bonus included
+    target_forwards: int = 0  # decode-time target passes (prefill excluded)
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target pass (the paper's acceptance length)."""
+        return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 1.0
+
+
+class ReferenceSpeculator:
+    """A transformers causal-LM target plus a DFlash drafter that borrows its embedding/head."""
+
+    def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.cfg = drafter.config
+        self.eos = set(eos_token_ids)
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        n_layers = target.config.num_hidden_layers
+        bad = [i for i in self.cfg.target_layer_ids if i >= n_layers]
+        if bad:
+            raise ValueError(f"drafter taps target layers {bad}, target has {n_layers} layers")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    # -- target ------------------------------------------------------------------------------
+    def _target(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+        """One target pass; allowed [T, T] bool (True = attend).  Returns logits [T, V] and the
+        tapped features [T, taps*H] (output of decoder layer l for l in target_layer_ids)."""
+        dtype = next(self.target.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        out = self.target(input_ids=ids[None], position_ids=positions[None],
+                          attention_mask=mask[None, None], output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.cfg.target_layer_ids], -1)
+        return out.logits[0].float(), feats
+
+    def _causal(self, ids: torch.Tensor):
+        t = ids.shape[0]
+        allowed = torch.ones((t, t), dtype=torch.bool, device=ids.device).tril()
+        return self._target(ids, torch.arange(t, device=ids.device), allowed)
+
+    # -- drafter -----------------------------------------------------------------------------
+    def draft_logits(self, feats: torch.Tensor, bonus: int) -> torch.Tensor:
+        """[1, L, V] drafter logits for the L = block_size - 1 tokens after `bonus`."""
+        start = feats.shape[0]
+        block = torch.full((self.cfg.block_size,), self.cfg.mask_token_id, device=feats.device)
+        block[0] = bonus
+        emb = self.embed(block)[None]
+        positions = torch.arange(start + self.cfg.block_size, device=feats.device)[None]
+        hidden = self.drafter(feats[None].to(emb.dtype), emb, positions)
+        return self.lm_head(hidden[:, 1:]).float()
+
+    # -- generation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, mode: Mode = "ddtree",
+                 budget: int = 32, sampling: SamplingParams = SamplingParams(),
+                 seed: int = 0) -> GenerationResult:
+        if mode not in ("ar", "chain", "ddtree"):
+            raise ValueError(f"mode must be one of ar, chain, ddtree; got {mode!r}")
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt, device=self.device)
+        logits, feats = self._causal(ids)
+        out = [int(target_choice(logits[None, -1:], [sampling], gen)[0, 0])]
+        result = GenerationResult(tokens=out)
+        while len(out) < max_new_tokens and out[-1] not in self.eos:
+            if mode == "ar":
+                ids = torch.cat([ids, ids.new_tensor(out[-1:])])
+                logits, _ = self._causal(ids)
+                out.append(int(target_choice(logits[None, -1:], [sampling], gen)[0, 0]))
+                result.accept_lens.append(1)
+            else:
+                ids, feats, new = self._spec_step(ids, feats, out[-1], mode, budget, sampling, gen)
+                out.extend(new)
+                result.accept_lens.append(len(new))
+            result.target_forwards += 1
+        result.tokens = _truncate(out, max_new_tokens, self.eos)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _spec_step(self, ids: torch.Tensor, feats: torch.Tensor, bonus: int, mode: Mode,
+                   budget: int, sampling: SamplingParams, gen: torch.Generator):
+        """ids: committed tokens before the bonus (features known for all of them)."""
+        start = ids.shape[0]
+        dl = self.draft_logits(feats, bonus)
+        tree = chain_tree(dl) if mode == "chain" else build_draft_tree(dl, budget)
+        root = ids.new_tensor([bonus])
+        layout = build_verify_layout(tree, root, ids.new_tensor([start]))
+        n = layout.num_tokens_per_req
+        seq = torch.cat([ids, layout.draft_tokens])
+        positions = torch.cat([torch.arange(start, device=ids.device), layout.positions])
+        allowed = torch.ones((start + n, start + n), dtype=torch.bool, device=ids.device).tril()
+        allowed[start:, start:] = layout.ancestors[0]
+        logits, all_feats = self._target(seq, positions, allowed)
+        choice = target_choice(logits[None, start:], [sampling], gen)
+        tokens2d = layout.draft_tokens.view(1, n)
+        acc = accept_tree(tokens2d, layout.tree_parents, layout.tree_depths, choice,
+                          max_depth=self.cfg.draft_depth)
+        k = int(acc.accept_len[0])
+        emitted = committed_tokens(tokens2d, acc)[0, :k].tolist()
+        path = acc.accept_path[0, :k]
+        new_ids = torch.cat([ids, tokens2d[0, path]])  # root (old bonus) + accepted nodes
+        new_feats = torch.cat([all_feats[:start], all_feats[start + path]])
+        return new_ids, new_feats, emitted
+
+
+def _truncate(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens[:limit]):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens[:limit]

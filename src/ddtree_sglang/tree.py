@@ -1,0 +1,156 @@
+"""Draft-tree construction: the B most probable prefixes of a block draft.
+
+DDTree (Ringel et al.) scores a prefix (t_1..t_d) of the draft block by the product of the
+drafter's per-position marginals, sum_i log q_i(t_i), and verifies the B best prefixes as a tree.
+The reference builds them with a best-first heap on the CPU, one request at a time. Here the same
+set is found with fixed-shape tensor ops, batched, on any device:
+
+* Only the top K = min(B, V) tokens of each position can appear (the paper's Lemma 1).
+* Because every node at depth d ranks its children with the same marginal q_{d+1}, a top-B node
+  at depth d has its parent among the top-B nodes at depth d-1.  So a beam of width B per depth,
+  expanded over the K candidates of the next position, holds every depth-d node of the answer.
+* One global selection over the L beams gives the B best prefixes.
+
+Order and ties.  Candidates are ranked by (score desc, depth asc, rank tuple lexicographic asc).
+This is a strict total order in which a parent always precedes its children (its score is at
+least theirs and its depth is smaller), so the selected set is prefix-closed and the node order
+is best-first with parents first, as the heap's pop order is.  Within a depth the beam is kept
+in lexicographic rank order, so a stable sort realises the tie rule with no extra key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees, B non-root nodes per request, in best-first order.
+
+    tokens:  [batch, B] token id of each node.
+    parents: [batch, B] index of the parent node in 0..B-1, -1 for children of the root.
+             A parent always comes before its children.
+    depths:  [batch, B] depth of each node, 1 = child of the root.
+    scores:  [batch, B] float32 log-probability of the node's prefix under the draft.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def budget(self) -> int:
+        return self.tokens.shape[1]
+
+
+def count_prefixes(depth: int, vocab: int, budget: int) -> int:
+    """Number of distinct non-empty prefixes reachable with per-depth top-min(B, V) tokens."""
+    k = min(budget, vocab)
+    total, width = 0, 1
+    for _ in range(depth):
+        width = width * k
+        total += width
+        if total >= budget:
+            return total
+    return total
+
+
+def check_budget(budget: int, depth: int, vocab: int) -> None:
+    """Raise ValueError naming the accepted range when `budget` cannot be filled."""
+    if depth < 1:
+        raise ValueError(f"draft depth must be >= 1, got {depth}")
+    if budget < 1:
+        raise ValueError(f"tree budget must be >= 1 (number of non-root nodes), got {budget}")
+    available = count_prefixes(depth, vocab, budget)
+    if budget > available:
+        raise ValueError(
+            f"tree budget {budget} exceeds the {available} distinct prefixes of a depth-{depth} "
+            f"draft over {vocab} tokens; accepted: 1..{available}"
+        )
+
+
+def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
+    """The DFlash chain as a tree: the argmax token of every position, one node per depth."""
+    batch, depth, _ = draft_logits.shape
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    best, tokens = log_probs.max(dim=-1)
+    device = draft_logits.device
+    parents = torch.arange(-1, depth - 1, device=device).expand(batch, depth).contiguous()
+    depths = torch.arange(1, depth + 1, device=device).expand(batch, depth).contiguous()
+    return DraftTree(tokens, parents, depths, best.cumsum(dim=-1))
+
+
+def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
+    """Select the `budget` most probable draft prefixes of every request as a tree.
+
+    draft_logits: [batch, depth, vocab]; row d holds the drafter's logits for the token d+1
+    steps after the root.  Runs without host synchronisation; the loop is over depth only.
+    """
+    batch, depth, vocab = draft_logits.shape
+    check_budget(budget, depth, vocab)
+    device = draft_logits.device
+    k = min(budget, vocab)
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    top_lp, top_ids = torch.topk(log_probs, k, dim=-1)  # [batch, depth, k], sorted desc
+
+    # Depth 1: the beam is the top-k tokens themselves, already in rank order.
+    width = min(budget, k)
+    beam_scores = top_lp[:, 0, :width]
+    beam_tokens = top_ids[:, 0, :width]
+    beam_parent = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    level_scores, level_tokens, level_parents = [beam_scores], [beam_tokens], [beam_parent]
+
+    for d in range(1, depth):
+        cand = (beam_scores.unsqueeze(-1) + top_lp[:, d, None, :]).reshape(batch, -1)
+        new_width = min(budget, cand.shape[1])
+        # Candidate index w*k + r is lexicographic rank order: the beam is kept sorted that way.
+        order = torch.sort(cand, dim=-1, descending=True, stable=True).indices[:, :new_width]
+        chosen = torch.sort(order, dim=-1).values  # back to lexicographic order
+        beam_scores = cand.gather(1, chosen)
+        beam_parent = torch.div(chosen, k, rounding_mode="floor")
+        beam_tokens = top_ids[:, d, :].gather(1, chosen % k)
+        level_scores.append(beam_scores)
+        level_tokens.append(beam_tokens)
+        level_parents.append(beam_parent)
+
+    widths = [s.shape[1] for s in level_scores]
+    offsets = [0]
+    for w in widths[:-1]:
+        offsets.append(offsets[-1] + w)
+    all_scores = torch.cat(level_scores, dim=1)  # depth-major, lexicographic within a depth
+    all_tokens = torch.cat(level_tokens, dim=1)
+    # Parent of each candidate as a flat index into all_* (-1 for depth 1).
+    all_parent_flat = torch.cat(
+        [level_parents[0]]
+        + [level_parents[d] + offsets[d - 1] for d in range(1, len(level_parents))],
+        dim=1,
+    )
+    all_depths = torch.cat(
+        [torch.full((w,), d + 1, dtype=torch.long, device=device) for d, w in enumerate(widths)]
+    ).expand(batch, -1)
+
+    # Global best-first order: stable sort keeps (depth asc, lexicographic asc) among ties.
+    order = torch.sort(all_scores, dim=-1, descending=True, stable=True).indices[:, :budget]
+    total = all_scores.shape[1]
+    # Where each flat candidate landed in the output (budget = not selected).
+    slot = torch.full((batch, total), budget, dtype=torch.long, device=device)
+    slot.scatter_(1, order, torch.arange(budget, device=device).expand(batch, -1))
+    parent_flat = all_parent_flat.gather(1, order)
+    parents = torch.where(
+        parent_flat < 0,
+        torch.full_like(parent_flat, -1),
+        slot.gather(1, parent_flat.clamp(min=0)),
+    )
+    return DraftTree(
+        tokens=all_tokens.gather(1, order),
+        parents=parents,
+        depths=all_depths.gather(1, order),
+        scores=all_scores.gather(1, order),
+    )

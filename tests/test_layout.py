@@ -1,0 +1,73 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ddtree_sglang.layout import (
+    ancestor_matrix, build_verify_layout, full_mask, packed_mask, tree_parents_and_depths,
+    unpack_mask,
+)
+from ddtree_sglang.tree import DraftTree, build_draft_tree
+
+
+def brute_ancestors(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def random_trees(batch, depth, vocab, budget, seed):
+    g = torch.Generator().manual_seed(seed)
+    return build_draft_tree(torch.randn(batch, depth, vocab, generator=g) * 2, budget)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), budget=st.integers(1, 40), seed=st.integers(0, 999))
+def test_ancestors_match_brute_force(batch, budget, seed):
+    tree = random_trees(batch, 6, 7, budget, seed)
+    layout = build_verify_layout(tree, torch.zeros(batch, dtype=torch.long),
+                                 torch.full((batch,), 5))
+    for b in range(batch):
+        par = layout.tree_parents[b].tolist()
+        assert torch.equal(layout.ancestors[b], brute_ancestors(par))
+        # Children/sibling links: every non-root node is reachable from its parent's first child.
+        nxt, sib = layout.retrieve_next_token[b].tolist(), layout.retrieve_next_sibling[b].tolist()
+        for p in range(len(par)):
+            kids, c = [], nxt[p]
+            while c != -1:
+                kids.append(c)
+                c = sib[c]
+            assert kids == [i for i, q in enumerate(par) if q == p]
+
+
+def test_positions_tokens_and_full_mask():
+    tree = random_trees(2, 15, 50, 12, 1)
+    seq_lens = torch.tensor([3, 7])
+    roots = torch.tensor([11, 22])
+    lay = build_verify_layout(tree, roots, seq_lens)
+    n = 13
+    assert lay.draft_tokens.view(2, n)[:, 0].tolist() == [11, 22]
+    assert torch.equal(lay.draft_tokens.view(2, n)[:, 1:], tree.tokens)
+    assert torch.equal(lay.positions.view(2, n), seq_lens[:, None] + lay.tree_depths)
+    flat = full_mask(lay.ancestors, seq_lens, int(seq_lens.sum()))
+    assert flat.numel() == 10 * n + 2 * n * n
+    off = 0
+    for b in range(2):
+        s = int(seq_lens[b])
+        block = flat[off: off + n * (s + n)].view(n, s + n)
+        assert bool(block[:, :s].all())
+        assert torch.equal(block[:, s:], lay.ancestors[b])
+        off += n * (s + n)
+
+
+@pytest.mark.parametrize("n", [1, 5, 32, 33, 65])
+def test_packed_mask_round_trip(n):
+    parents = torch.tensor([[-1] + [max(0, i - 2) for i in range(1, n)]])
+    anc = ancestor_matrix(parents, n)
+    packed = packed_mask(anc)
+    assert packed.shape == (1, n, (n + 31) // 32) and packed.dtype == torch.int32
+    assert torch.equal(unpack_mask(packed, n), anc)
