@@ -47,7 +47,7 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
     keep = rank < k.view(bs, 1, 1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    keep &= mass_before < top_p.view(bs, 1, 1)
+    keep = keep & (mass_before < top_p.view(bs, 1, 1))
     sorted_p = sorted_p * keep
     out = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
     return out / out.sum(dim=-1, keepdim=True)

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from ddtree_sglang.reference.drafter import DFlashDrafter
+from ddtree_sglang.reference.loop import ReferenceSpeculator
+from ddtree_sglang.reference.tiny import tiny_pair
+from ddtree_sglang.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def spec():
+    target, drafter = tiny_pair()
+    return ReferenceSpeculator(target, drafter)
+
+
+PROMPTS = [[5, 17, 33, 8, 9], [40, 41, 42], list(range(10, 30))]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_chain_and_ddtree_equal_autoregressive(spec, prompt):
+    ar = spec.generate(prompt, 40, mode="ar")
+    chain = spec.generate(prompt, 40, mode="chain")
+    for budget in (1, 4, 16, 48):
+        tree = spec.generate(prompt, 40, mode="ddtree", budget=budget)
+        assert tree.tokens == ar.tokens, f"DDTree(B={budget}) differs from greedy"
+        assert sum(tree.accept_lens) + 1 >= len(tree.tokens)
+    assert chain.tokens == ar.tokens
+    assert len(ar.tokens) == 40 and ar.target_forwards == 39
+
+
+def test_perfect_drafter_is_fully_accepted(spec):
+    """A drafter whose logits are the target's own greedy continuation accepts whole blocks."""
+    prompt = PROMPTS[0]
+    ar = spec.generate(prompt, 30, mode="ar")
+
+    class Oracle(torch.nn.Module):
+        pass
+
+    real = spec.draft_logits
+    cursor = {"i": 0}
+
+    def oracle_logits(feats, bonus):
+        # committed = prompt + tokens so far; the bonus is ar.tokens[k]
+        k = feats.shape[0] - len(prompt)
+        future = ar.tokens[k + 1: k + 1 + spec.cfg.draft_depth]
+        out = torch.full((1, spec.cfg.draft_depth, spec.cfg.vocab_size), -10.0)
+        for d, t in enumerate(future):
+            out[0, d, t] = 10.0
+        cursor["i"] += 1
+        return out
+
+    spec.draft_logits = oracle_logits
+    try:
+        res = spec.generate(prompt, 30, mode="ddtree", budget=8)
+    finally:
+        spec.draft_logits = real
+    assert res.tokens == ar.tokens
+    assert max(res.accept_lens) == spec.cfg.block_size  # L draft tokens + bonus
+
+
+def test_sampling_runs_and_is_seeded(spec):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20)
+    a = spec.generate(PROMPTS[1], 25, mode="ddtree", budget=8, sampling=p, seed=3)
+    b = spec.generate(PROMPTS[1], 25, mode="ddtree", budget=8, sampling=p, seed=3)
+    assert a.tokens == b.tokens and len(a.tokens) == 25
+
+
+def test_drafter_checkpoint_round_trip(tmp_path, spec):
+    spec.drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    loaded = DFlashDrafter.from_pretrained(tmp_path)
+    assert loaded.config == spec.drafter.config
+    feats = torch.randn(1, 6, 2 * loaded.config.hidden_size)
+    emb = torch.randn(1, loaded.config.block_size, loaded.config.hidden_size)
+    pos = torch.arange(6 + loaded.config.block_size)[None]
+    assert torch.allclose(loaded(feats, emb, pos), spec.drafter(feats, emb, pos), atol=1e-6)
+
+
+def test_bad_inputs(spec):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        spec.generate([1, 2], 4, mode="beam")
+    with pytest.raises(ValueError, match="at least one token"):
+        spec.generate([], 4)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
