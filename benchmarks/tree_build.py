@@ -1,0 +1,145 @@
+"""Time DDTree's per-step tree work on the GPU: build + verify layout + acceptance.
+
+For every (batch, budget) the three stages run inside one captured CUDA graph, replayed many
+times; the median replay time is reported.  The reference's CPU heap (one request at a time,
+after copying the top-k to the host, as in the paper's code) is timed beside it.  A benchmark,
+not a test: run it on the GPU machine and commit the JSON / markdown it writes.
+
+    python benchmarks/tree_build.py --out benchmarks/results/tree_build_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from ddtree_sglang.acceptance import accept_tree
+from ddtree_sglang.layout import build_verify_layout, full_mask
+from ddtree_sglang.tree import build_draft_tree
+
+
+def heap_build(log_probs: torch.Tensor, budget: int) -> list[tuple[int, int]]:
+    """The reference's CPU heap for one request (top-k copied to the host first)."""
+    depth, vocab = log_probs.shape
+    k = min(budget, vocab)
+    top_lp, top_ids = torch.topk(log_probs, k, dim=-1)
+    lp, ids = top_lp.cpu().tolist(), top_ids.cpu().tolist()
+    heap = [(-lp[0][0], (0,), -1)]
+    nodes = []
+    while heap and len(nodes) < budget:
+        neg, ranks, parent = heapq.heappop(heap)
+        d, r = len(ranks), ranks[-1]
+        idx = len(nodes)
+        nodes.append((ids[d - 1][r], parent))
+        if r + 1 < k:
+            heapq.heappush(heap, (neg + lp[d - 1][r] - lp[d - 1][r + 1], ranks[:-1] + (r + 1,), parent))
+        if d < depth:
+            heapq.heappush(heap, (neg - lp[d][0], ranks + (0,), idx))
+    return nodes
+
+
+def time_graph(fn, iters: int) -> float:
+    """Median microseconds of one replay of `fn` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters: int,
+               heap_reps: int) -> dict:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(batch * 7 + budget)
+    logits = torch.randn(batch, depth, vocab, device=dev, generator=g) * 3
+    roots = torch.randint(0, vocab, (batch,), device=dev, generator=g)
+    seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.long)
+    n = budget + 1
+    target = torch.randint(0, vocab, (batch, n), device=dev, generator=g)
+
+    def step():
+        tree = build_draft_tree(logits, budget)
+        lay = build_verify_layout(tree, roots, seq_lens, max_depth=depth)
+        full_mask(lay.ancestors, seq_lens, batch * ctx)
+        accept_tree(lay.draft_tokens.view(batch, n), lay.tree_parents, lay.tree_depths,
+                    target, max_depth=depth)
+
+    def build_only():
+        build_draft_tree(logits, budget)
+
+    gpu_us = time_graph(step, iters)
+    build_us = time_graph(build_only, iters)
+    lp = torch.log_softmax(logits.float(), -1)
+    heap_times = []
+    for _ in range(heap_reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b in range(batch):
+            heap_build(lp[b], budget)
+        heap_times.append((time.perf_counter() - t0) * 1e6)
+    heap_us = statistics.median(heap_times)
+    return dict(batch=batch, budget=budget, depth=depth, vocab=vocab, ctx=ctx,
+                gpu_step_us=round(gpu_us, 1), gpu_build_us=round(build_us, 1),
+                cpu_heap_build_us=round(heap_us, 1), heap_over_gpu=round(heap_us / gpu_us, 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--budgets", default="16,32,64,128,256,512")
+    ap.add_argument("--depth", type=int, default=15, help="draft depth L = block_size - 1")
+    ap.add_argument("--vocab", type=int, default=151936, help="Qwen3 vocabulary by default")
+    ap.add_argument("--ctx", type=int, default=1024, help="committed length per request")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--heap-reps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tree_build.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tree_build.py needs a CUDA GPU")
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for budget in map(int, args.budgets.split(",")):
+            row = bench_case(batch, budget, args.depth, args.vocab, args.ctx, args.iters,
+                             args.heap_reps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = dict(date=str(date.today()), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, command="python benchmarks/tree_build.py " +
+                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",
+             "", f"`{meta['command']}`", "",
+             "| batch | B | GPU step (us) | GPU build only (us) | CPU heap build (us) | heap / GPU step |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['budget']} | {r['gpu_step_us']} | {r['gpu_build_us']} | "
+              f"{r['cpu_heap_build_us']} | {r['heap_over_gpu']}x |" for r in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Measure the testbed pair's acceptance (tau, bonus included) with the reference loop.
+
+    python scripts/eval_testbed.py --testbed testbed --out testbed/acceptance.json
+
+For temperature 0 and 1: the DFlash chain and DDTree at several budgets, on the held-out prompts.
+Greedy runs are also checked against autoregressive greedy output (lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ddtree_sglang.reference.testbed import load_testbed  # noqa: E402
+from ddtree_sglang.sampling import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--testbed", type=Path, default=Path("testbed"))
+    ap.add_argument("--out", type=Path, default=Path("testbed/acceptance.json"))
+    ap.add_argument("--budgets", default="8,16,32,64,128")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    tb = load_testbed(args.testbed, device=args.device)
+    rows = tb.prompts[: args.prompts]
+    encoded = [tb.encode(r) for r in rows]
+    spec = tb.speculator
+    results, mismatches = [], 0
+    ar_out = [spec.generate(p, args.max_new_tokens, mode="ar").tokens for p in encoded]
+    arms = [("chain", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
+    for temp in (0.0, 1.0):
+        sp = SamplingParams(temperature=temp)
+        for mode, budget in arms:
+            t0 = time.perf_counter()
+            lens, toks = [], 0
+            for i, p in enumerate(encoded):
+                res = spec.generate(p, args.max_new_tokens, mode=mode, budget=max(budget, 1),
+                                    sampling=sp, seed=i)
+                lens += res.accept_lens
+                toks += len(res.tokens)
+                if temp == 0.0 and res.tokens != ar_out[i]:
+                    mismatches += 1
+            tau = sum(lens) / max(1, len(lens))
+            row = dict(temperature=temp, mode=mode, budget=budget if mode == "ddtree" else None,
+                       tau=round(tau, 3), steps=len(lens), tokens=toks,
+                       seconds=round(time.perf_counter() - t0, 1))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    meta = dict(date=str(date.today()), device=(torch.cuda.get_device_name() if args.device == "cuda"
+                                                else "cpu"),
+                prompts=len(encoded), max_new_tokens=args.max_new_tokens,
+                greedy_mismatches_vs_ar=mismatches,
+                command=f"python scripts/eval_testbed.py --testbed {args.testbed} --budgets {args.budgets} "
+                        f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Train the testbed pair on the GPU machine: a small Qwen3 target and its DFlash drafter.
+
+Corpus: the Python standard library's own source on that machine (no network needed); files whose
+name hashes into the held-out bucket are kept for evaluation only.  Stages, each skipped when its
+output already exists in --work (so a second call resumes):
+
+  1. tokenizer  byte-level BPE (4096 tokens) with chat and DFlash mask special tokens
+  2. target     Qwen3ForCausalLM (tied embeddings), next-token loss on the corpus and on
+                chat-formatted samples of it
+  3. data       target continuations (greedy and T=1) of corpus prompts, for the drafter
+  4. drafter    DFlash objective: from [x_a, MASK x 15] at positions a..a+15 and the target's
+                tapped hidden states of positions < a, predict x_{a+1..a+15}
+  5. export     testbed/ layout (target/, drafter/, prompts.jsonl) + fp16 weights
+
+    python scripts/train_testbed.py --work /tmp/testbed_work --out testbed \
+        --target-seconds 200 --drafter-seconds 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ddtree_sglang.dflash_config import DFlashConfig  # noqa: E402
+from ddtree_sglang.reference.drafter import DFlashDrafter  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VOCAB, HIDDEN, LAYERS, INTER = 4096, 256, 4, 448
+DRAFT_LAYERS, DRAFT_INTER, BLOCK, TAPS = 1, 448, 16, (1, 2)
+SEQ = 512
+DEV_TYPE = "cuda"
+
+
+def log(*a) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+# -- corpus -----------------------------------------------------------------------------------
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "test" not in p.parts
+                   and "tests" not in p.parts and 500 < p.stat().st_size < 300_000)
+    held = [p for p in files if int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 16 == 0]
+    held_set = set(held)
+    return [p for p in files if p not in held_set], held
+
+
+def chat_sample(rel: str, text: str, rng: random.Random) -> str:
+    lines = text.splitlines()
+    cut = rng.randint(3, max(4, min(40, len(lines) // 2)))
+    head, rest = "\n".join(lines[:cut]), "\n".join(lines[cut:cut + 80])
+    ask = rng.choice([f"Continue this Python code from {rel}:\n{head}",
+                      f"Here is the start of {rel}. Write the next part.\n{head}",
+                      f"Complete the following code.\n{head}"])
+    return (f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n{rest}<|im_end|>\n")
+
+
+def train_tokenizer(texts: list[str], out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", mask_token="<|mask|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+# -- target -----------------------------------------------------------------------------------
+def make_target():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+                      rope_theta=10000.0, bos_token_id=0, eos_token_id=[0, 2], pad_token_id=0,
+                      attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg)
+
+
+def batches(tokens: torch.Tensor, bs: int, seq: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, tokens.numel() - seq - 1, (bs,), generator=gen)
+        yield torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+
+
+def lr_at(step: float, total: float, peak: float, warm: float = 0.03) -> float:
+    if step < warm * total:
+        return peak * step / (warm * total)
+    p = min(1.0, (step - warm * total) / max(1e-9, (1 - warm) * total))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train_target(model, tokens: torch.Tensor, seconds: float, dev) -> None:
+    model.to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05,
+                            fused=DEV_TYPE == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    it = batches(tokens, 64, SEQ, gen)
+    t0, step = time.time(), 0
+    while (el := time.time() - t0) < seconds:
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(el, seconds, 3e-3)
+        x = next(it).to(dev, non_blocking=True)
+        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+            logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 200 == 0:
+            log(f"target step {step} loss {loss.item():.3f} ({el:.0f}s)")
+    model.eval()
+
+
+@torch.no_grad()
+def eval_loss(model, tokens: torch.Tensor, dev) -> float:
+    gen = torch.Generator().manual_seed(1)
+    it = batches(tokens, 32, SEQ, gen)
+    tot = 0.0
+    for _ in range(8):
+        x = next(it).to(dev)
+        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+            logits = model(input_ids=x[:, :-1]).logits
+        tot += F.cross_entropy(logits.float().view(-1, VOCAB), x[:, 1:].reshape(-1)).item()
+    return tot / 8
+
+
+# -- drafter data and training ----------------------------------------------------------------
+@torch.no_grad()
+def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, new: int, dev):
+    gen = torch.Generator().manual_seed(2)
+    seqs = []
+    for i in range(0, n, 256):
+        starts = torch.randint(0, tokens.numel() - prompt_len - 1, (min(256, n),), generator=gen)
+        prompts = torch.stack([tokens[s:s + prompt_len] for s in starts.tolist()]).to(dev)
+        sample = i % 512 == 256  # every other batch sampled at T = 1, the rest greedy
+        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+        out = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                             eos_token_id=None, **kw)
+        seqs.append(out.cpu())
+    return torch.cat(seqs)
+
+
+def tapped_features(model, x: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=x, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in TAPS], -1)
+
+
+def drafter_batch(model, x: torch.Tensor, blocks: int, gen: torch.Generator, mask_id: int):
+    """Features, block embeddings, positions, mask and labels for `blocks` anchors per row."""
+    b, t = x.shape
+    dev = x.device
+    with torch.no_grad(), torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+        feats = tapped_features(model, x)
+    anchors = torch.stack([torch.randperm(t - BLOCK - 1, generator=gen)[:blocks] + 1
+                           for _ in range(b)]).to(dev)  # [b, nb], a >= 1 so context is non-empty
+    offs = torch.arange(BLOCK, device=dev)
+    pos = anchors[..., None] + offs  # [b, nb, BLOCK]
+    block_ids = torch.full((b, blocks, BLOCK), mask_id, device=dev)
+    block_ids[..., 0] = x.gather(1, anchors)
+    labels = x.gather(1, pos.view(b, -1)).view(b, blocks, BLOCK)[..., 1:]
+    emb = model.get_input_embeddings()(block_ids.view(b, -1)).detach()
+    positions = torch.cat([torch.arange(t, device=dev).expand(b, t), pos.view(b, -1)], 1)
+    q_block = torch.arange(blocks, device=dev).repeat_interleave(BLOCK)  # block of each query
+    ctx_ok = torch.arange(t, device=dev)[None, None, :] < anchors.repeat_interleave(BLOCK, 1)[..., None]
+    own = q_block[:, None] == q_block[None, :]
+    mask = torch.cat([ctx_ok, own.expand(b, -1, -1)], dim=2)
+    return feats, emb, positions, mask, labels
+
+
+def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_id: int) -> None:
+    drafter.to(dev).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01,
+                            fused=DEV_TYPE == "cuda")
+    head = model.get_output_embeddings()
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.exp(-torch.arange(BLOCK - 1, device=dev) / 6.0)
+    t0, step = time.time(), 0
+    while (el := time.time() - t0) < seconds:
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(el, seconds, 2e-3)
+        idx = torch.randint(0, seqs.shape[0], (32,), generator=gen)
+        x = seqs[idx].to(dev)
+        feats, emb, positions, mask, labels = drafter_batch(model, x, 16, gen, mask_id)
+        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+            h = drafter(feats, emb, positions, mask)
+            b = h.shape[0]
+            h = h.view(b, -1, BLOCK, HIDDEN)[:, :, 1:]
+            logits = head(h).float()
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
+        loss = (ce.view(b, -1, BLOCK - 1) * weights).sum(-1).mean() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 200 == 0:
+            acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
+            log(f"drafter step {step} loss {loss.item():.3f} top1@1 {acc[0]:.2f} "
+                f"@4 {acc[3]:.2f} @8 {acc[7]:.2f} ({el:.0f}s)")
+    drafter.eval()
+
+
+# -- export -----------------------------------------------------------------------------------
+def write_prompts(held: list[Path], tok, out: Path, n_plain: int = 24, n_chat: int = 8) -> None:
+    rng = random.Random(7)
+    rows = []
+    for p in rng.sample(held, min(len(held), n_plain + n_chat)):
+        text = p.read_text(errors="ignore")
+        lines = [l for l in text.splitlines()]
+        start = rng.randint(0, max(0, len(lines) - 30))
+        snippet = "\n".join(lines[start:start + rng.randint(8, 20)]) + "\n"
+        rel = p.name
+        if len([r for r in rows if r["kind"] == "plain"]) < n_plain:
+            rows.append(dict(kind="plain", source=rel, prompt=snippet))
+        else:
+            rows.append(dict(kind="chat", source=rel, messages=[dict(
+                role="user", content=f"Continue this Python code from {rel}:\n{snippet}")]))
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/testbed_work"))
+    ap.add_argument("--out", type=Path, default=Path("testbed"))
+    ap.add_argument("--target-seconds", type=float, default=200)
+    ap.add_argument("--drafter-seconds", type=float, default=200)
+    ap.add_argument("--gen-seqs", type=int, default=4096)
+    ap.add_argument("--max-files", type=int, default=0, help="limit the corpus (smoke tests)")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    global DEV_TYPE
+    dev = torch.device(args.device)
+    DEV_TYPE = dev.type
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args.work.mkdir(parents=True, exist_ok=True)
+    tdir, ddir = args.out / "target", args.out / "drafter"
+    train_files, held = corpus_files()
+    if args.max_files:
+        train_files, held = train_files[: args.max_files], held[: max(8, args.max_files // 8)]
+    log(f"corpus: {len(train_files)} train files, {len(held)} held out")
+
+    rng = random.Random(0)
+    texts = []
+    for p in train_files:
+        t = p.read_text(errors="ignore")
+        texts.append(t)
+        if rng.random() < 0.25:
+            texts.append(chat_sample(p.name, t, rng))
+    if (tdir / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tdir)
+    else:
+        tok = train_tokenizer(texts, tdir)
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    tok_cache = args.work / "tokens.pt"
+    if tok_cache.exists():
+        tokens = torch.load(tok_cache)
+    else:
+        enc = tok(texts, add_special_tokens=False)["input_ids"]
+        eot = tok.convert_tokens_to_ids("<|endoftext|>")
+        tokens = torch.tensor([i for ids in enc for i in ids + [eot]], dtype=torch.long)
+        torch.save(tokens, tok_cache)
+    held_tokens = torch.tensor([i for ids in tok([p.read_text(errors="ignore") for p in held],
+                                                 add_special_tokens=False)["input_ids"]
+                                for i in ids], dtype=torch.long)
+    log(f"tokens: train {tokens.numel():,} held-out {held_tokens.numel():,}")
+
+    from transformers import Qwen3ForCausalLM
+    ckpt = args.work / "target"
+    if (ckpt / "config.json").exists():
+        model = Qwen3ForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa").to(dev).eval()
+    else:
+        model = make_target()
+        log(f"target params: {sum(p.numel() for p in model.parameters()):,}")
+        train_target(model, tokens, args.target_seconds, dev)
+        model.save_pretrained(ckpt)
+    log(f"target held-out loss {eval_loss(model, held_tokens, dev):.3f}")
+
+    data = args.work / "drafter_data.pt"
+    if data.exists():
+        seqs = torch.load(data)
+    else:
+        gen_seqs = target_continuations(model, tokens, args.gen_seqs, 64, SEQ - 64, dev)
+        gen = torch.Generator().manual_seed(5)
+        real = torch.stack([tokens[s:s + SEQ] for s in
+                            torch.randint(0, tokens.numel() - SEQ, (args.gen_seqs,), generator=gen).tolist()])
+        seqs = torch.cat([gen_seqs[:, :SEQ], real])
+        torch.save(seqs, data)
+    log(f"drafter data: {tuple(seqs.shape)}")
+
+    dckpt = args.work / "drafter"
+    dcfg = DFlashConfig(hidden_size=HIDDEN, num_hidden_layers=DRAFT_LAYERS, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, intermediate_size=DRAFT_INTER,
+                        vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        block_size=BLOCK, mask_token_id=mask_id, target_layer_ids=TAPS,
+                        num_target_layers=LAYERS)
+    if (dckpt / "config.json").exists():
+        drafter = DFlashDrafter.from_pretrained(dckpt, device=dev)
+    else:
+        drafter = DFlashDrafter(dcfg)
+        with torch.no_grad():  # start the final norm like the target's
+            drafter.norm.weight.copy_(model.model.norm.weight)
+        log(f"drafter params: {sum(p.numel() for p in drafter.parameters()):,}")
+        train_drafter(model, drafter, seqs, args.drafter_seconds, dev, mask_id)
+        drafter.save_pretrained(dckpt, dtype=torch.float32)
+
+    # export fp16, Hugging Face layout
+    model.to(torch.float16).save_pretrained(tdir)
+    cfg = json.loads((tdir / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "float16"
+    (tdir / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(tdir)
+    drafter.save_pretrained(ddir, dtype=torch.float16,
+                            extra_config={"max_position_embeddings": 2048})
+    write_prompts(held, tok, args.out / "prompts.jsonl")
+    model.float()
+    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    log(f"exported to {args.out}: {size / 2**20:.2f} MiB")
+
+
+if __name__ == "__main__":
+    main()
