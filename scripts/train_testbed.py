@@ -51,14 +51,29 @@ def log(*a) -> None:
 
 
 # -- corpus -----------------------------------------------------------------------------------
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "test" not in p.parts
-                   and "tests" not in p.parts and 500 < p.stat().st_size < 300_000)
-    held = [p for p in files if int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 16 == 0]
+def corpus_files(max_bytes: int = 60_000_000) -> tuple[list[Path], list[Path]]:
+    """Python sources on the machine: the standard library (tests included) and the
+    installed packages, up to max_bytes, in a fixed order.  A file whose name hashes into
+    bucket 0 of 16 is held out (never trained on) and supplies the evaluation prompts."""
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["stdlib"]), Path(paths["purelib"]), Path(paths["platlib"])]
+    seen, files, total = set(), [], 0
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            if p in seen or not (500 < p.stat().st_size < 300_000):
+                continue
+            seen.add(p)
+            files.append(p)
+    random.Random(0).shuffle(files)
+    picked = []
+    for p in files:
+        if total > max_bytes:
+            break
+        picked.append(p)
+        total += p.stat().st_size
+    held = [p for p in picked if int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 16 == 0]
     held_set = set(held)
-    return [p for p in files if p not in held_set], held
+    return [p for p in picked if p not in held_set], held
 
 
 def chat_sample(rel: str, text: str, rng: random.Random) -> str:
@@ -81,7 +96,7 @@ def train_tokenizer(texts: list[str], out: Path):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(texts[: max(1, len(texts) // 3)], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", mask_token="<|mask|>")
     fast.chat_template = CHAT_TEMPLATE
@@ -159,7 +174,7 @@ def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, n
     for i in range(0, n, 256):
         starts = torch.randint(0, tokens.numel() - prompt_len - 1, (min(256, n),), generator=gen)
         prompts = torch.stack([tokens[s:s + prompt_len] for s in starts.tolist()]).to(dev)
-        sample = i % 512 == 256  # every other batch sampled at T = 1, the rest greedy
+        sample = i % 1024 == 768  # one batch in four sampled at T = 1, the rest greedy
         kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
         out = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                              eos_token_id=None, **kw)
@@ -283,7 +298,7 @@ def main() -> None:
     if tok_cache.exists():
         tokens = torch.load(tok_cache)
     else:
-        enc = tok(texts, add_special_tokens=False)["input_ids"]
+        enc = [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
         eot = tok.convert_tokens_to_ids("<|endoftext|>")
         tokens = torch.tensor([i for ids in enc for i in ids + [eot]], dtype=torch.long)
         torch.save(tokens, tok_cache)
@@ -308,10 +323,7 @@ def main() -> None:
         seqs = torch.load(data)
     else:
         gen_seqs = target_continuations(model, tokens, args.gen_seqs, 64, SEQ - 64, dev)
-        gen = torch.Generator().manual_seed(5)
-        real = torch.stack([tokens[s:s + SEQ] for s in
-                            torch.randint(0, tokens.numel() - SEQ, (args.gen_seqs,), generator=gen).tolist()])
-        seqs = torch.cat([gen_seqs[:, :SEQ], real])
+        seqs = gen_seqs[:, :SEQ]  # the target's own continuations: what acceptance measures
         torch.save(seqs, data)
     log(f"drafter data: {tuple(seqs.shape)}")
 
