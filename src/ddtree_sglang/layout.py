@@ -115,30 +115,22 @@ def build_verify_layout(tree: DraftTree, root_tokens: torch.Tensor, seq_lens: to
     )
 
 
-def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int) -> torch.Tensor:
     """SGLang FULL_MASK: per request N x (seq_len + N), prefix visible, tree block = ancestors.
 
-    `seq_lens_sum` is the host-side sum SGLang already keeps, so the size needs no sync.
+    `seq_lens_sum` sizes the buffer on the host without a sync; it may be an upper bound on
+    sum(seq_lens) (the tail past the real blocks is never read).  Block offsets come from the
+    device-side seq_lens, as the attention backends compute them.
     """
     bs, n, _ = ancestors.shape
-    total = seq_lens_sum * n + bs * n * n
     device = ancestors.device
-    seq = seq_lens.long()
-    block = n * (seq + n)
-    starts = torch.cumsum(block, 0) - block
-    flat = torch.arange(total, device=device)
-    req = torch.searchsorted(torch.cumsum(block, 0), flat, right=True).clamp(max=bs - 1)
-    local = flat - starts[req]
-    width = seq[req] + n
-    row, col = local // width, local % width
-    tree_col = col - seq[req]
-    in_tree = tree_col >= 0
-    anc_val = ancestors[req, row, tree_col.clamp(min=0)]
-    mask = torch.where(in_tree, anc_val, torch.ones_like(anc_val))
-    if out is not None:
-        out[:total].copy_(mask)
-        return out
+    mask = torch.ones(seq_lens_sum * n + bs * n * n, dtype=torch.bool, device=device)
+    width = seq_lens.long() + n  # row length of each request's block
+    starts = torch.cumsum(n * width, 0) - n * width
+    rows = torch.arange(n, device=device)
+    idx = (starts.view(bs, 1, 1) + rows.view(1, n, 1) * width.view(bs, 1, 1)
+           + seq_lens.long().view(bs, 1, 1) + rows.view(1, 1, n))
+    mask[idx.reshape(-1)] = ancestors.reshape(-1)
     return mask
 
 

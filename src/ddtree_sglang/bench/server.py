@@ -1,0 +1,144 @@
+"""Launch `python -m sglang.launch_server` as a child process, wait for health, always stop it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    """One server: the target, the speculative arm and the settings shared by every arm."""
+
+    model_path: str
+    name: str = "plain"
+    algorithm: str | None = None  # None, "DFLASH" or "DDTREE"
+    draft_model_path: str | None = None
+    num_draft_tokens: int | None = None
+    attention_backend: str = "triton"
+    dtype: str = "float16"
+    mem_fraction_static: float = 0.3
+    cuda_graph_max_bs: int = 32
+    disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
+    page_size: int = 1
+    max_running_requests: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def cli(self, port: int) -> list[str]:
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
+                "--attention-backend", self.attention_backend,
+                "--mem-fraction-static", str(self.mem_fraction_static),
+                "--page-size", str(self.page_size), "--sampling-backend", "pytorch",
+                "--cuda-graph-backend-prefill", "disabled",
+                "--cuda-graph-max-bs-decode", str(self.cuda_graph_max_bs)]
+        if self.algorithm:
+            args += ["--speculative-algorithm", self.algorithm,
+                     "--speculative-draft-model-path", str(self.draft_model_path)]
+            if self.num_draft_tokens:
+                args += ["--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+        if self.disable_cuda_graph:
+            args += ["--cuda-graph-backend-decode", "disabled"]
+        if self.disable_overlap_schedule:
+            args += ["--disable-overlap-schedule"]
+        if self.max_running_requests:
+            args += ["--max-running-requests", str(self.max_running_requests)]
+        return args + self.extra_args
+
+
+class Server:
+    """Context manager around one server process; the log goes to `log_path`."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, gpu: str | None = None,
+                 port: int | None = None, env: dict | None = None) -> None:
+        self.spec, self.log_path, self.gpu = spec, Path(log_path), gpu
+        self.port = port or free_port()
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> "Server":
+        env = dict(os.environ, **self.env)
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.spec.cli(self.port), stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.spec.name} exited with {self.proc.returncode}; "
+                                   f"log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(2)
+        self.stop()
+        raise TimeoutError(f"server {self.spec.name} not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="ignore").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        finally:
+            self._log.close()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def post_json(url: str, payload: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"error": {"status": e.code, "body": e.read().decode(errors="ignore")}}
+
+
+def get_json(url: str, timeout: float = 30.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())

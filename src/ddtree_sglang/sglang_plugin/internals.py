@@ -1,0 +1,148 @@
+"""Every SGLang internal this plugin touches, in one place, so a version bump is one file.
+
+SGLang 0.5.17 has no stable API for speculative workers: the names below are private and move
+between releases.  `CONTRACT` lists each with the parameters we rely on; tests/test_sglang_contract.py
+checks them against the installed SGLang, and `check_contract()` runs at plugin start so a
+mismatched SGLang fails loudly instead of decoding wrongly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+SUPPORTED_SGLANG = "0.5.17"
+
+# dotted path -> parameter names the plugin passes or reads (empty = existence only)
+CONTRACT: dict[str, tuple[str, ...]] = {
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.register":
+        ("name", "supports_overlap", "validate_server_args", "spec_class"),
+    "sglang.srt.speculative.spec_registry.CustomSpecAlgo.__init__":
+        ("name", "factory", "supports_overlap", "validate_server_args"),
+    "sglang.srt.speculative.spec_registry.get_spec": ("name",),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.__init__":
+        ("server_args", "gpu_id", "ps", "nccl_port", "target_worker"),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation":
+        ("batch", "on_publish", "grammar_barrier"),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc":
+        ("target_hidden", "cache_loc", "positions", "cache_loc_2d", "commit_lens"),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._ensure_draft_block_buffers": ("bs",),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._maybe_build_draft_sampler": (),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._make_next_draft_input_decode":
+        ("bonus_tokens", "new_seq_lens"),
+    "sglang.kernels.ops.speculative.dflash._prepare_dflash_draft_block_unchecked":
+        ("bonus_tokens", "prefix_lens", "req_pool_indices", "req_to_token", "block_ids_out",
+         "positions_out", "cache_loc_out", "mask_token_id"),
+    "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info":
+        ("draft_token_num", "device"),
+    "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets": ("length", "device"),
+    "sglang.srt.speculative.eagle_info.EagleVerifyInput":
+        ("draft_token", "custom_mask", "positions", "retrieve_index", "retrieve_next_token",
+         "retrieve_next_sibling", "retrieve_cum_len", "spec_steps", "topk", "draft_token_num",
+         "capture_hidden_mode", "seq_lens_sum", "seq_lens_cpu"),
+    "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify":
+        ("verify_input", "req_to_token_pool", "batch", "target_worker"),
+    "sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache":
+        ("batch", "accept_index", "num_correct_drafts", "token_to_kv_pool_allocator"),
+    "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments":
+        ("next_token_logits", "sampling_info", "draft_token_num"),
+    "sglang.srt.speculative.dflash_utils.validate_dflash_request": ("req", "enable_overlap"),
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info":
+        ("num_tokens",),
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch":
+        ("forward_mode", "batch_size", "input_ids", "req_pool_indices", "seq_lens",
+         "out_cache_loc", "seq_lens_sum", "seq_lens_cpu", "positions", "input_embeds",
+         "spec_algorithm", "spec_info", "capture_hidden_mode"),
+    "sglang.srt.managers.overlap_utils.FutureMap.__init__":
+        ("device", "spec_algo", "req_to_token_pool", "needs_cpu_seq_lens",
+         "needs_confidence_relay"),
+    "sglang.srt.managers.utils.GenerationBatchResult":
+        ("logits_output", "next_token_ids", "accept_lens", "can_run_cuda_graph",
+         "next_draft_input", "speculative_num_draft_tokens", "new_seq_lens"),
+    "sglang.srt.arg_groups.speculative_hook._resolve_dflash_draft_attention_backend":
+        ("server_args",),
+    "sglang.srt.plugins.hook_registry.HookRegistry.register": ("target", "hook", "hook_type"),
+    "sglang.srt.runtime_context.get_spec": (),
+}
+
+
+def resolve(path: str):
+    """Import `a.b.C.meth` style dotted paths."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def contract_violations() -> list[str]:
+    """Human-readable list of contract entries the installed SGLang does not satisfy."""
+    problems = []
+    for path, params in CONTRACT.items():
+        try:
+            obj = resolve(path)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{path}: missing ({exc})")
+            continue
+        if not params:
+            continue
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            problems.append(f"{path}: no inspectable signature")
+            continue
+        missing = [p for p in params if p not in sig.parameters]
+        if missing:
+            problems.append(f"{path}: parameters {missing} not in {list(sig.parameters)}")
+    return problems
+
+
+def check_contract() -> None:
+    import sglang
+
+    problems = contract_violations()
+    if problems:
+        raise RuntimeError(
+            f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed SGLang "
+            f"{getattr(sglang, '__version__', '?')} lacks internals it relies on:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+# -- the symbols themselves (imported on use: importing them pulls in much of SGLang) -----------
+def spec_classes():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
+
+    return SpeculativeAlgorithm, CustomSpecAlgo, get_spec
+
+
+def hook_registry():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    return HookRegistry, HookType
+
+
+def resolve_draft_attention_backend(server_args) -> None:
+    from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
+
+    _resolve_dflash_draft_attention_backend(server_args)
+
+
+def future_map(device, spec_algo, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay):
+    from sglang.srt.managers.overlap_utils import FutureMap
+
+    return FutureMap(device, spec_algo, req_to_token_pool, needs_cpu_seq_lens,
+                     needs_confidence_relay)
+
+
+def runtime_spec():
+    from sglang.srt.runtime_context import get_spec
+
+    return get_spec()

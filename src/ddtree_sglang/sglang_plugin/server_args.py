@@ -1,0 +1,187 @@
+"""DDTREE's server arguments: validation with clear errors, and the defaults it applies.
+
+The tree budget rides on SGLang's existing flag: --speculative-num-draft-tokens = B + 1 (the
+verify width: the root plus B tree nodes).  The draft block size comes from the drafter's
+config (or --speculative-dflash-block-size, which may only shrink it); the tree depth is
+block_size - 1.  Everything here reads plain attributes, so it runs on any object that looks
+like ServerArgs (tests use SimpleNamespace).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ddtree_sglang.dflash_config import DFlashConfig, NotADFlashCheckpoint, load_dflash_config
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "DDTREE"
+DEFAULT_BUDGET = 32
+MAX_BUDGET = 1023
+TREE_BACKENDS = ("triton", "flashinfer")
+WHY_NOT = {
+    "fa3": "FlashAttention-3 applies the tree mask only when the global EAGLE topk > 1, "
+           "and is Hopper-only (not on sm_120)",
+    "fa4": "FlashAttention-4 takes no custom tree mask (and is sm_100-only)",
+    "trtllm_mha": "TensorRT-LLM MHA takes no custom tree mask (and does not run on sm_120)",
+    "trtllm_mla": "TensorRT-LLM MLA takes no custom tree mask",
+    "flashmla": "FlashMLA takes no custom tree mask",
+}
+HYBRID_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "gated_deltanet", "ssm",
+                      "conv", "recurrent"}
+HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemotron_h",
+                      "jamba", "mamba", "mamba2", "bamba", "granitemoehybrid", "kimi_linear",
+                      "lfm2", "minimax_m1", "plamo2", "zamba2"}
+
+
+class DDTreeConfigError(ValueError):
+    """A server argument DDTREE cannot run with; the message names the accepted values."""
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def budget_from_args(args: Any) -> int:
+    n = _get(args, "speculative_num_draft_tokens")
+    return DEFAULT_BUDGET if n is None else int(n) - 1
+
+
+def drafter_config(args: Any) -> DFlashConfig:
+    path = _get(args, "speculative_draft_model_path")
+    if not path:
+        raise DDTreeConfigError(
+            "DDTREE needs --speculative-draft-model-path pointing at a DFlash drafter "
+            "(e.g. a z-lab *-DFlash-b16 checkpoint directory)")
+    if not Path(path).exists():
+        raise DDTreeConfigError(
+            f"--speculative-draft-model-path {path!r} is not a local directory; DDTREE reads "
+            "the DFlash config.json from it (download the drafter first)")
+    try:
+        return load_dflash_config(path)
+    except NotADFlashCheckpoint as exc:
+        raise DDTreeConfigError(f"DDTREE drafter is not a DFlash checkpoint: {exc}") from exc
+
+
+def block_size_from_args(args: Any, cfg: DFlashConfig) -> int:
+    override = _get(args, "speculative_dflash_block_size")
+    if override is None:
+        return cfg.block_size
+    override = int(override)
+    if not 2 <= override <= cfg.block_size:
+        raise DDTreeConfigError(
+            f"--speculative-dflash-block-size {override} is out of range for this drafter; "
+            f"accepted: 2..{cfg.block_size} (the drafter's block_size)")
+    return override
+
+
+def check_budget(budget: int, block_size: int) -> None:
+    # B >= L keeps the verify width N >= block_size: the draft block and a full commit fit in
+    # the per-step KV reserve (2N) and in the verify-sized graph buffers.
+    low = block_size - 1
+    if not low <= budget <= MAX_BUDGET:
+        raise DDTreeConfigError(
+            f"DDTREE tree budget B = --speculative-num-draft-tokens - 1 = {budget} is out of "
+            f"range; accepted: B in {low}..{MAX_BUDGET}, i.e. --speculative-num-draft-tokens "
+            f"{low + 1}..{MAX_BUDGET + 1} (default {DEFAULT_BUDGET + 1})")
+
+
+def _backend_errors(args: Any) -> list[str]:
+    errors = []
+    for flag in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+        value = _get(args, flag)
+        if value is not None and value not in TREE_BACKENDS:
+            why = WHY_NOT.get(value, "it has no tree-mask verify path")
+            errors.append(
+                f"--{flag.replace('_', '-')} {value} cannot verify a draft tree ({why}); "
+                f"accepted: {', '.join(TREE_BACKENDS)} (both run on Hopper and on "
+                "Blackwell sm_120)")
+    return errors
+
+
+def _target_hf_config(args: Any) -> dict:
+    path = _get(args, "model_path")
+    cfg_file = Path(path) / "config.json" if path else None
+    if cfg_file is None or not cfg_file.is_file():
+        return {}
+    try:
+        return json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def hybrid_reason(hf: dict) -> str | None:
+    """Why a target config is a hybrid (mamba / linear attention) model, or None."""
+    texts = [hf] + [hf[k] for k in ("text_config", "llm_config") if isinstance(hf.get(k), dict)]
+    for cfg in texts:
+        mt = str(cfg.get("model_type", "")).lower()
+        if mt in HYBRID_MODEL_TYPES:
+            return f"model_type {mt!r} mixes recurrent/linear-attention layers"
+        types = cfg.get("layer_types") or cfg.get("layers_block_type") or []
+        odd = sorted({str(t) for t in types} & HYBRID_LAYER_TYPES)
+        if odd:
+            return f"layer types {odd}"
+    return None
+
+
+def validate(args: Any) -> None:
+    """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
+    errors: list[str] = []
+    device = str(_get(args, "device") or "cuda")
+    if not device.startswith("cuda"):
+        errors.append(f"DDTREE runs on CUDA GPUs only; got --device {device}")
+    try:
+        cfg = drafter_config(args)
+        block = block_size_from_args(args, cfg)
+        check_budget(budget_from_args(args), block)
+    except DDTreeConfigError as exc:
+        errors.append(str(exc))
+    errors += _backend_errors(args)
+    page = _get(args, "page_size")
+    if page not in (None, 1):
+        errors.append(f"DDTREE supports --page-size 1 only for now; got {page} "
+                      "(accepted: 1)")
+    if _get(args, "enable_dp_attention"):
+        errors.append("DDTREE does not support --enable-dp-attention (accepted: off); run one "
+                      "replica per GPU instead")
+    for flag, accepted in (("tp_size", 1), ("pp_size", 1)):
+        value = _get(args, flag)
+        if value not in (None, accepted):
+            errors.append(f"DDTREE supports --{flag.replace('_', '-')} {accepted} only; got "
+                          f"{value} (run one single-GPU replica per GPU)")
+    if _get(args, "speculative_draft_window_size") is not None:
+        errors.append("DDTREE does not support --speculative-draft-window-size (accepted: unset)")
+    if _get(args, "speculative_use_rejection_sampling"):
+        errors.append("DDTREE verifies by sampling the target at every node; "
+                      "--speculative-use-rejection-sampling is not supported (accepted: off)")
+    if _get(args, "speculative_adaptive"):
+        errors.append("DDTREE does not support --speculative-adaptive (accepted: off)")
+    if _get(args, "enable_lora"):
+        errors.append("DDTREE does not support LoRA adapters (accepted: --enable-lora off)")
+    reason = hybrid_reason(_target_hf_config(args))
+    if reason:
+        errors.append(f"DDTREE does not support hybrid (mamba / linear-attention) targets: "
+                      f"{reason}; accepted: full-attention transformer targets")
+    if errors:
+        raise DDTreeConfigError("DDTREE cannot start:\n  - " + "\n  - ".join(errors))
+
+
+def apply_defaults(args: Any) -> None:
+    """Settle the fields the rest of SGLang reads (mirrors what DFLASH sets for itself)."""
+    cfg = drafter_config(args)
+    block = block_size_from_args(args, cfg)
+    budget = budget_from_args(args)
+    for flag in ("speculative_num_steps", "speculative_eagle_topk"):
+        if _get(args, flag) not in (None, 1):
+            logger.warning("DDTREE ignores --%s %s (uses 1)", flag.replace("_", "-"), _get(args, flag))
+        setattr(args, flag, 1)
+    args.speculative_num_draft_tokens = budget + 1
+    args.speculative_dflash_block_size = block  # read back by DDTreeSpecAlgo for the draft width
+    if _get(args, "max_running_requests") is None:
+        args.max_running_requests = 48
+    if _get(args, "enable_mixed_chunk"):
+        logger.warning("DDTREE disables --enable-mixed-chunk")
+        args.enable_mixed_chunk = False

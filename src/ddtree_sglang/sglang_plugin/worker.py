@@ -1,0 +1,232 @@
+"""DDTreeWorker: SGLang's DFlash worker with the linear verify replaced by a draft tree.
+
+Prefill, target hidden-state capture, draft-KV materialisation and the one-pass block draft are
+DFlashWorkerV2's.  A decode step then:
+
+  1. drafts the block [bonus, MASK x (bs-1)] once and takes the drafter's full distributions
+     for depths 1..L through the target's lm_head (the greedy in-graph head is not used);
+  2. builds the B-best tree, its verify layout and the FULL tree mask (ddtree_sglang core);
+  3. verifies root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask input
+     (Triton / FlashInfer, CUDA graphs captured with the mask, see plugin.py);
+  4. samples the target once per node (argmax when greedy) and walks the tree (core);
+  5. moves the accepted nodes' target KV to the front of the request's slots, writes their
+     target hidden states into the draft KV at chain positions, and publishes new lengths.
+No step reads tensors back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.layout import build_verify_layout, full_mask
+from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.tree import build_draft_tree
+
+from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode, ForwardBatch, ForwardMode,
+)
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.draft_worker_common import (
+    build_block_pos_offsets, make_draft_block_spec_info,
+)
+from sglang.srt.speculative.eagle_info import EagleVerifyInput
+from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+
+logger = logging.getLogger(__name__)
+
+
+def sample_per_node(logits: torch.Tensor, sampling_info, n: int) -> torch.Tensor:
+    """[bs * n] the target's choice at every node: argmax, or one draw from the processed
+    distribution (temperature, top-k, top-p, min-p), Gumbel-style, with no host sync."""
+    if sampling_info is None or sampling_info.is_all_greedy:
+        return logits.argmax(dim=-1)
+    from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob
+
+    temps = torch.repeat_interleave(sampling_info.temperatures, n, dim=0)
+    probs = torch.softmax(logits.float() / temps, dim=-1)
+    if sampling_info.need_top_k_sampling:
+        probs = top_k_renorm_prob(probs, torch.repeat_interleave(sampling_info.top_ks, n, dim=0))
+    if sampling_info.need_top_p_sampling:
+        probs = top_p_renorm_prob(probs, torch.repeat_interleave(sampling_info.top_ps, n, dim=0))
+    if sampling_info.need_min_p_sampling:
+        min_p = torch.repeat_interleave(sampling_info.min_ps, n, dim=0).unsqueeze(1)
+        probs = probs * (probs >= min_p * probs.max(dim=-1, keepdim=True).values)
+    # argmax(p / E) with E ~ Exp(1) is an exact draw from p (normalisation not needed).
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+class DDTreeWorker(DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        internals.check_contract()
+        super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
+                         target_worker=target_worker)
+        self.verify_width = int(server_args.speculative_num_draft_tokens)  # N = B + 1
+        self.budget = self.verify_width - 1
+        self.block_size = int(server_args.speculative_dflash_block_size)
+        self.depth = self.block_size - 1
+        # Tokens one step can commit: at most L accepted nodes + the bonus (B >= L, see
+        # server_args.check_budget), which is also the width of a result row.
+        self.out_width = self.block_size
+        self.speculative_num_draft_tokens = self.verify_width
+        self._block_pos_offsets = build_block_pos_offsets(length=self.block_size,
+                                                          device=self.device)
+        self._draft_block_spec_info = make_draft_block_spec_info(
+            draft_token_num=self.block_size, device=self.device)
+        self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d",
+                        self.budget, self.verify_width, self.block_size, self.depth)
+
+    def _maybe_build_draft_sampler(self):
+        return None  # DDTREE needs the drafter's whole distributions, not its argmax
+
+    # -- decode ----------------------------------------------------------------------------
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
+                batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+        if batch.spec_info is None or not isinstance(batch.spec_info, DFlashDraftInputV2):
+            raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
+        draft_input = batch.spec_info
+        batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
+        bs, n = len(batch.seq_lens), self.verify_width
+
+        hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
+        draft_logits = self._draft_logits(hidden[:, 1:, :])  # [bs, L, V]
+        tree = build_draft_tree(draft_logits, self.budget)
+        layout = build_verify_layout(tree, draft_input.bonus_tokens, batch.seq_lens,
+                                     max_depth=self.depth)
+
+        verify_fb, can_run_graph = self._prepare_verify(batch, draft_input, layout)
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=verify_fb, is_verify=True)
+        logits_output = target_out.logits_output
+        logits = logits_output.next_token_logits
+        apply_dflash_verify_logits_adjustments(next_token_logits=logits,
+                                               sampling_info=batch.sampling_info,
+                                               draft_token_num=n)
+        choice = sample_per_node(logits, batch.sampling_info, n).view(bs, n)
+        tokens = layout.draft_tokens.view(bs, n)
+        acc = accept_tree(tokens, layout.tree_parents, layout.tree_depths, choice,
+                          max_depth=self.depth)
+        commit_lens = acc.accept_len.to(torch.int32)
+        out_tokens = committed_tokens(tokens, acc)[:, : self.out_width].clamp(min=0)
+        new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
+
+        # Accepted nodes (tree indices, root first) as global rows of the verify block.
+        path = acc.accept_path[:, : self.out_width]
+        rows = torch.arange(bs, device=self.device).unsqueeze(1) * n
+        accept_index = torch.where(path >= 0, path + rows, torch.full_like(path, -1))
+        move_accept_tokens_to_target_kvcache(batch, accept_index.to(torch.int32),
+                                             commit_lens - 1, self.model_runner.token_to_kv_pool_allocator)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        feats = logits_output.hidden_states
+        if feats is None:
+            raise RuntimeError("DDTREE verify needs the target's captured hidden states")
+        front_loc = batch.out_cache_loc.view(bs, n)[:, : self.out_width].contiguous()
+        chain_pos = batch.seq_lens.view(bs, 1).to(torch.int64) + torch.arange(
+            self.out_width, device=self.device)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=feats[(path.clamp(min=0) + rows).reshape(-1)],
+            cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
+            cache_loc_2d=front_loc, commit_lens=commit_lens)
+        logits_output.hidden_states = None
+
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=commit_lens,
+            can_run_cuda_graph=can_run_graph,
+            next_draft_input=self._make_next_draft_input_decode(
+                bonus_tokens=acc.bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=self.out_width,
+            new_seq_lens=new_seq_lens,
+            extra_keep_alive_refs=[verify_fb, layout],
+        )
+
+    def _host_seq_lens_bound(self, batch, draft_input, extra: int):
+        """Host-side per-request upper bounds on the committed lengths, and their sum.
+
+        Under overlap scheduling the host copy lags by one step, which commits at most
+        `extra` tokens; backends only need a safe bound for their host-side sizing."""
+        if batch.seq_lens_cpu is not None:
+            bound = batch.seq_lens_cpu + extra
+            return bound, int(bound.sum())
+        if draft_input.reserved_seq_lens_cpu is not None:
+            return draft_input.reserved_seq_lens_cpu, int(draft_input.reserved_seq_lens_sum)
+        bound = batch.seq_lens.to("cpu", dtype=torch.int32)  # only without any host copy
+        return bound, int(bound.sum())
+
+    def _draft_block(self, batch, draft_input) -> torch.Tensor:
+        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
+        bs, block = len(batch.seq_lens), self.block_size
+        self._ensure_draft_block_buffers(bs)
+        block_ids = self._draft_block_ids_buf[:bs]
+        positions_2d = self._draft_block_positions_buf[:bs]
+        cache_loc_2d = self._draft_verify_out_cache_loc_buf[:bs]
+        _prepare_dflash_draft_block_unchecked(
+            bonus_tokens=draft_input.bonus_tokens.view(-1),
+            prefix_lens=batch.seq_lens.view(-1),
+            req_pool_indices=batch.req_pool_indices.view(-1),
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
+            mask_token_id=int(self._mask_token_id))
+        embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids)
+        seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
+        cpu_buf = self._draft_seq_lens_cpu_buf[:bs]
+        cpu_buf.copy_(seq_lens_cpu)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs,
+            input_ids=block_ids.flatten(), req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens, out_cache_loc=cache_loc_2d.reshape(-1),
+            seq_lens_sum=seq_lens_sum, seq_lens_cpu=cpu_buf,
+            positions=positions_2d.reshape(-1),
+            input_embeds=embeds.view(-1, embeds.shape[-1]),
+            spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL)
+        with torch.inference_mode():
+            out = self.draft_model_runner.forward(forward_batch)
+        hidden = out.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states")
+        return hidden.view(bs, block, -1)
+
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[bs, L, H] drafter states -> [bs, L, V] logits through the target's lm_head."""
+        lm_head = self.target_worker.model_runner.model.lm_head
+        weight = lm_head.weight
+        logits = torch.matmul(hidden.to(weight.dtype), weight.T)
+        return logits[..., : self.vocab_size]
+
+    def _prepare_verify(self, batch, draft_input, layout):
+        """Tree verify input + TARGET_VERIFY forward batch (graph loaded when it fits)."""
+        bs, n = len(batch.seq_lens), self.verify_width
+        seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, n)
+        mask = full_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
+        verify_input = EagleVerifyInput(
+            draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,
+            retrieve_index=layout.retrieve_index,
+            retrieve_next_token=layout.retrieve_next_token,
+            retrieve_next_sibling=layout.retrieve_next_sibling, retrieve_cum_len=None,
+            spec_steps=self.depth, topk=1, draft_token_num=n,
+            capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
+        batch.spec_info = verify_input
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
+        try:
+            verify_fb, can_run_graph = eagle_prepare_for_verify(
+                verify_input, self.model_runner.req_to_token_pool, batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        return verify_fb, can_run_graph

@@ -1,0 +1,197 @@
+"""End-to-end check of DDTREE in the real SGLang HTTP server, on the GPU machine, in one call.
+
+    source scripts/device_env.sh && python tests/gpu/e2e_server.py --out $OUT
+
+For each arm (DDTREE, DFLASH, no speculation) on the shipped testbed pair it launches
+`python -m sglang.launch_server`, then checks: /v1/completions and /v1/chat/completions answer;
+greedy outputs for the held-out prompts, sent concurrently, are the target's own greedy choices
+(every emitted token is re-scored by the target in float32 with transformers: it must be the
+argmax, or within --tie-tol logits of it); temperature-1 outputs have the target's own mean
+log-likelihood (mean NLL of the sampled tokens vs mean entropy at those positions); 24
+concurrent requests of different lengths; a logprob request is refused with a message and the
+server stays up; after /flush_cache the KV pool holds no tokens.  Prints a table last and writes
+e2e.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+from ddtree_sglang.bench.server import Server, ServerSpec, get_json, post_json  # noqa: E402
+
+
+def load_prompts(tok, path: Path, limit: int) -> list[list[int]]:
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()][:limit]
+    out = []
+    for r in rows:
+        if r["kind"] == "chat":
+            ids = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tok.encode(r["prompt"], add_special_tokens=False)
+        out.append(list(ids))
+    return out
+
+
+def generate(url: str, prompts: list[list[int]], params: list[dict], workers: int = 32):
+    def one(i):
+        return post_json(url + "/generate", {"input_ids": prompts[i], "sampling_params": params[i]})
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def check_arm(spec: ServerSpec, prompts, out: Path, max_new: int) -> dict:
+    res: dict = {"arm": spec.name}
+    server = Server(spec, out / f"server_{spec.name}.log",
+                    env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
+    t0 = time.time()
+    try:
+        server.start(timeout=420)
+    except Exception as exc:  # noqa: BLE001 - report and go on with the other arms
+        res["error"] = f"startup failed: {exc}"[-3000:]
+        return res
+    res["startup_s"] = round(time.time() - t0, 1)
+    try:
+        url = server.url
+        c = post_json(url + "/v1/completions", {"model": "x", "prompt": "def main():\n",
+                                                "max_tokens": 24, "temperature": 0})
+        ch = post_json(url + "/v1/chat/completions", {"model": "x", "max_tokens": 24,
+                       "messages": [{"role": "user", "content": "Write a Python loop."}]})
+        res["openai_completions"] = bool(c.get("choices")) and bool(c["choices"][0].get("text"))
+        res["openai_chat"] = bool(ch.get("choices")) and bool(ch["choices"][0]["message"].get("content"))
+        greedy = dict(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+        t1 = time.time()
+        g = generate(url, prompts, [greedy] * len(prompts))
+        res["greedy_seconds"] = round(time.time() - t1, 2)
+        res["greedy_outputs"] = [r.get("output_ids") for r in g]
+        res["greedy_errors"] = [r["error"] for r in g if "error" in r][:3]
+        acc = [r["meta_info"].get("spec_accept_length") for r in g if "meta_info" in r]
+        acc = [a for a in acc if a is not None]
+        res["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
+        sample = dict(temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
+        s = generate(url, prompts, [sample] * len(prompts))
+        res["sampled_outputs"] = [r.get("output_ids") for r in s]
+        mixed_prompts = [prompts[i % len(prompts)][: 8 + 7 * i] for i in range(24)]
+        mixed_params = [dict(temperature=0.0 if i % 2 == 0 else 1.0, top_p=0.95 if i % 4 == 1 else 1.0,
+                             top_k=20 if i % 4 == 3 else -1, max_new_tokens=8 + 4 * i, ignore_eos=True)
+                        for i in range(24)]
+        m = generate(url, mixed_prompts, mixed_params)
+        res["mixed_ok"] = sum(len(r.get("output_ids") or []) == p["max_new_tokens"]
+                              for r, p in zip(m, mixed_params))
+        res["mixed_prompts"] = [mixed_prompts[i] for i in range(0, 24, 2)]
+        res["mixed_greedy_outputs"] = [m[i].get("output_ids") for i in range(0, 24, 2)]
+        bad = post_json(url + "/generate", {"input_ids": prompts[0], "return_logprob": True,
+                                            "sampling_params": {"max_new_tokens": 8}})
+        res["logprob_request"] = (json.dumps(bad)[:300])
+        post_json(url + "/flush_cache", {})
+        time.sleep(3)
+        load = get_json(url + "/get_load")
+        res["kv_tokens_after_flush"] = sum(r.get("num_tokens", 0) for r in load)
+        res["alive_at_end"] = server.alive()
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        log = server.log_tail(400)
+        res["leak_in_log"] = "memory leak" in log or "use-after-free" in log
+        res["traceback_in_log"] = "Traceback" in log
+        server.stop()
+    return res
+
+
+@torch.no_grad()
+def teacher_force(model, prompts, outputs, tie_tol: float) -> dict:
+    """Per emitted token: is it the target's argmax given its actual prefix (fp32)?"""
+    n = bad = near = 0
+    worst = 0.0
+    nll = ent = 0.0
+    for p, o in zip(prompts, outputs):
+        if not o:
+            continue
+        ids = torch.tensor([p + o], device="cuda")
+        logits = model(ids).logits[0, len(p) - 1: len(p) - 1 + len(o)].float()
+        top = logits.max(-1).values
+        emitted = logits.gather(1, torch.tensor(o, device="cuda")[:, None]).squeeze(1)
+        gap = top - emitted
+        n += len(o)
+        miss = gap > 0
+        bad += int((gap > tie_tol).sum())
+        near += int((miss & (gap <= tie_tol)).sum())
+        worst = max(worst, float(gap.max()))
+        logp = torch.log_softmax(logits, -1)
+        nll += float(-(logp.gather(1, torch.tensor(o, device="cuda")[:, None])).sum())
+        ent += float(-(logp.exp() * logp).sum())
+    return dict(tokens=n, not_argmax_beyond_tol=bad, near_ties=near, worst_gap=round(worst, 4),
+                mean_nll=round(nll / max(n, 1), 4), mean_entropy=round(ent / max(n, 1), 4))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--testbed", type=Path, default=ROOT / "testbed")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--arms", default="ddtree_triton,dflash_triton,plain_triton")
+    ap.add_argument("--tie-tol", type=float, default=0.05)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, drafter = str(args.testbed / "target"), str(args.testbed / "drafter")
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = load_prompts(tok, args.testbed / "prompts.jsonl", args.prompts)
+    specs = {
+        "ddtree_triton": ServerSpec(target, "ddtree_triton", "DDTREE", drafter, args.budget + 1),
+        "ddtree_flashinfer": ServerSpec(target, "ddtree_flashinfer", "DDTREE", drafter,
+                                        args.budget + 1, attention_backend="flashinfer"),
+        "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
+                                       args.budget + 1, disable_overlap_schedule=True),
+        "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
+        "plain_triton": ServerSpec(target, "plain_triton"),
+    }
+    results = []
+    for name in args.arms.split(","):
+        r = check_arm(specs[name], prompts, args.out, args.max_new_tokens)
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if not k.endswith(("outputs", "prompts"))}),
+              flush=True)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
+    plain = next((r for r in results if r["arm"].startswith("plain")), None)
+    for r in results:
+        if r.get("greedy_outputs") and all(r["greedy_outputs"]):
+            r["greedy_check"] = teacher_force(model, prompts, r["greedy_outputs"], args.tie_tol)
+            mg = [o for o in r.get("mixed_greedy_outputs", []) if o]
+            r["mixed_greedy_check"] = teacher_force(model, r["mixed_prompts"][: len(mg)], mg, args.tie_tol)
+            if plain and plain.get("greedy_outputs"):
+                same = sum(a == b for x, y in zip(r["greedy_outputs"], plain["greedy_outputs"])
+                           for a, b in zip(x or [], y or []))
+                r["tokens_equal_to_plain"] = same
+        if r.get("sampled_outputs") and all(r["sampled_outputs"]):
+            r["sampling_check"] = teacher_force(model, prompts, r["sampled_outputs"], 1e9)
+    summary = [{k: v for k, v in r.items() if not k.endswith(("outputs", "prompts"))} for r in results]
+    meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
+                command="python tests/gpu/e2e_server.py " + " ".join(sys.argv[1:]))
+    (args.out / "e2e.json").write_text(json.dumps(dict(meta=meta, arms=summary), indent=1))
+    print("\n| arm | startup s | openai | greedy not-argmax (>tol) / near-ties / tokens | "
+          "sampled NLL vs entropy | mixed ok /24 | accept len | KV after flush | alive | leak |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in summary:
+        g, s = r.get("greedy_check", {}), r.get("sampling_check", {})
+        print(f"| {r['arm']} | {r.get('startup_s')} | {r.get('openai_completions')}/{r.get('openai_chat')} | "
+              f"{g.get('not_argmax_beyond_tol')} / {g.get('near_ties')} / {g.get('tokens')} | "
+              f"{s.get('mean_nll')} vs {s.get('mean_entropy')} | {r.get('mixed_ok')} | "
+              f"{r.get('accept_length')} | {r.get('kv_tokens_after_flush')} | {r.get('alive_at_end')} | "
+              f"{r.get('leak_in_log')} | {r.get('error', '')[:200]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The SGLang adapter on CPU: entry-point registration, startup errors, hooks, request checks.
+
+These run against the real sglang 0.5.17 package (its ServerArgs resolution pipeline runs on a
+machine without a GPU when device='cuda' is passed explicitly)."""
+import json
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET, DRAFTER = ROOT / "testbed" / "target", ROOT / "testbed" / "drafter"
+
+
+@pytest.fixture(scope="module")
+def plugin_loaded():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # discovers ddtree through the installed entry point
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SpeculativeAlgorithm
+
+
+def make_args(**overrides):
+    from sglang.srt.server_args import ServerArgs
+
+    kw = dict(model_path=str(TARGET), speculative_algorithm="DDTREE",
+              speculative_draft_model_path=str(DRAFTER), attention_backend="triton",
+              device="cuda")
+    kw.update(overrides)
+    return ServerArgs(**kw)
+
+
+def test_entry_point_registers_ddtree(plugin_loaded):
+    from importlib.metadata import entry_points
+
+    assert "ddtree" in {ep.name for ep in entry_points(group="sglang.srt.plugins")}
+    algo = plugin_loaded.from_string("ddtree")
+    assert type(algo).__name__ == "DDTreeSpecAlgo"
+    assert algo.is_dflash_family() and not algo.is_dflash() and algo.is_speculative()
+    assert algo.need_topk() is False and algo.carries_draft_hidden_states() is False
+    assert algo.supports_target_verify_for_draft()
+
+
+def test_every_method_sglang_calls_on_an_algorithm_exists(plugin_loaded):
+    """Scan SGLang's source for spec_algorithm.<name>( calls: a missing one crashes a server."""
+    algo = plugin_loaded.from_string("DDTREE")
+    src = Path(sglang.__file__).parent / "srt"
+    pattern = re.compile(r"spec_algo(?:rithm)?\)?\.((?:is|supports|need|has|create|carries|get|"
+                         r"handle|build|resolve)_\w+)\(")
+    called = set()
+    for f in src.rglob("*.py"):
+        called |= set(pattern.findall(f.read_text(errors="ignore")))
+    missing = sorted(n for n in called if not hasattr(algo, n))
+    assert not missing, f"DDTreeSpecAlgo lacks {missing}"
+
+
+def test_valid_arguments_resolve(plugin_loaded):
+    sa = make_args()
+    assert sa.speculative_num_draft_tokens == 33  # default budget 32 + root
+    assert sa.speculative_dflash_block_size == 16  # from the drafter config
+    assert sa.speculative_eagle_topk == 1 and sa.speculative_num_steps == 1
+    assert sa.max_running_requests == 48
+    sa = make_args(speculative_num_draft_tokens=65, attention_backend="flashinfer")
+    assert sa.speculative_num_draft_tokens == 65
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(speculative_num_draft_tokens=8), "accepted: B in 15..1023"),
+    (dict(speculative_num_draft_tokens=5000), "--speculative-num-draft-tokens 16..1024"),
+    (dict(attention_backend="fa3"), "accepted: triton, flashinfer"),
+    (dict(page_size=16), "--page-size 1 only"),
+    (dict(speculative_dflash_block_size=32), "accepted: 2..16"),
+    (dict(speculative_draft_window_size=64), "--speculative-draft-window-size"),
+    (dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
+])
+def test_startup_errors_name_the_problem(plugin_loaded, overrides, needle):
+    with pytest.raises(ValueError) as err:
+        make_args(**overrides)
+    assert needle in str(err.value)
+
+
+def test_drafter_that_is_not_dflash(plugin_loaded, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a DFlash checkpoint"):
+        make_args(speculative_draft_model_path=str(tmp_path))
+
+
+def test_validation_rules_without_sglang_pipeline(tmp_path):
+    """dp-attention, tp>1 and hybrid targets (the pipeline rejects some of these earlier)."""
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, validate
+
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}))
+    base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
+                speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
+    for extra, needle in [(dict(enable_dp_attention=True), "--enable-dp-attention"),
+                          (dict(tp_size=2), "--tp-size 1 only"),
+                          (dict(model_path=str(hybrid)), "hybrid (mamba / linear-attention)"),
+                          (dict(device="cpu"), "CUDA GPUs only"),
+                          (dict(decode_attention_backend="fa4"), "accepted: triton, flashinfer"),
+                          (dict(attention_backend="trtllm_mha"), "does not run on sm_120"),
+                          (dict(speculative_draft_model_path="/nonexistent"), "not a local directory")]:
+        with pytest.raises(DDTreeConfigError, match=re.escape(needle)):
+            validate(SimpleNamespace(**{**base, **extra}))
+    validate(SimpleNamespace(**base))  # and the base itself is fine
+
+
+def test_target_verify_graph_gets_the_tree_mask(plugin_loaded):
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    import torch
+
+    algo = plugin_loaded.from_string("DDTREE")
+    mask = torch.ones(10, dtype=torch.bool)
+    runner = SimpleNamespace(
+        model_runner=SimpleNamespace(spec_algorithm=algo, is_draft_worker=False,
+                                     server_args=SimpleNamespace(speculative_dflash_block_size=16)),
+        buffers=SimpleNamespace(custom_mask=mask), captured_req_width=33)
+    info = DecodeCudaGraphRunner.get_spec_info(runner, 33 * 4)
+    assert isinstance(info, EagleVerifyInput)
+    assert info.custom_mask is mask and info.draft_token_num == 33 and info.max_tree_depth == 16
+
+
+def test_requests_ddtree_cannot_serve_are_rejected(plugin_loaded, monkeypatch):
+    from ddtree_sglang.sglang_plugin import internals, plugin
+    from sglang.srt.speculative import dflash_utils
+
+    req = SimpleNamespace(return_logprob=True, return_hidden_states=False,
+                          sampling_params=SimpleNamespace(json_schema=None, regex=None,
+                                                          ebnf=None, structural_tag=None))
+    monkeypatch.setattr(internals, "runtime_spec",
+                        lambda: SimpleNamespace(speculative_algorithm="DDTREE"))
+    assert "DDTREE" in dflash_utils.validate_dflash_request(req, True)
+    req.return_logprob = False
+    assert dflash_utils.validate_dflash_request(req, True) is None
+    req.sampling_params.regex = "[0-9]+"
+    assert "constrained decoding (regex)" in dflash_utils.validate_dflash_request(req, False)
+    # The scheduler's own binding is the hooked one.
+    from sglang.srt.managers import scheduler
+
+    assert scheduler.validate_dflash_request is dflash_utils.validate_dflash_request
+    assert plugin.request_error(SimpleNamespace(return_logprob=False)) is None
+
+
+def test_sglang_internals_contract():
+    from ddtree_sglang.sglang_plugin.internals import contract_violations
+
+    assert contract_violations() == []
