@@ -77,6 +77,10 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0) -> "Server":
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> None:
         env = dict(os.environ, **self.env)
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
@@ -84,6 +88,8 @@ class Server:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.spec.cli(self.port), stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> "Server":
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,119 @@
+"""Drive SGLang's /generate endpoint: streamed requests, a fixed number in flight per replica.
+
+Each request records TTFT (first streamed token), TPOT ((end - first token) / (tokens - 1)),
+its output ids and the server's per-request accept length.  Requests are spread round-robin
+over the replicas; `concurrency` is per replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestResult:
+    replica: int
+    prompt_index: int
+    output_ids: list[int] = field(default_factory=list)
+    ttft: float = 0.0
+    latency: float = 0.0
+    accept_length: float | None = None
+    verify_ct: int | None = None
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.output_ids)
+        return (self.latency - self.ttft) / (n - 1) if n > 1 else None
+
+
+def stream_generate(url: str, input_ids: list[int], params: dict, timeout: float = 600.0):
+    """POST /generate with stream=True; returns (output_ids, ttft, latency, meta_info)."""
+    body = json.dumps({"input_ids": input_ids, "sampling_params": params, "stream": True})
+    req = urllib.request.Request(url + "/generate", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, last = None, {}
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:500])
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            last = chunk
+    latency = time.perf_counter() - t0
+    return last.get("output_ids", []), ttft or latency, latency, last.get("meta_info", {})
+
+
+def run_level(urls: list[str], prompts: list[list[int]], params: dict, concurrency: int,
+              num_requests: int, progress=None) -> tuple[list[RequestResult], float]:
+    """Send `num_requests` requests with `concurrency` in flight per replica; returns the
+    results and the wall time."""
+    jobs = [(i % len(urls), i % len(prompts)) for i in range(num_requests)]
+
+    def one(job):
+        replica, p = job
+        res = RequestResult(replica=replica, prompt_index=p)
+        try:
+            ids, ttft, lat, meta = stream_generate(urls[replica], prompts[p], params)
+            res.output_ids, res.ttft, res.latency = ids, ttft, lat
+            res.accept_length = meta.get("spec_accept_length")
+            res.verify_ct = meta.get("spec_verify_ct")
+        except Exception as exc:  # noqa: BLE001 - recorded per request
+            res.error = f"{type(exc).__name__}: {exc}"[:300]
+        if progress is not None:
+            progress.update(1)
+        return res
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency * len(urls)) as pool:
+        results = list(pool.map(one, jobs))
+    return results, time.perf_counter() - t0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(len(r.output_ids) for r in ok)
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    acc = [(r.accept_length, len(r.output_ids)) for r in ok if r.accept_length]
+    return dict(
+        requests=len(results), errors=len(results) - len(ok), output_tokens=tokens,
+        wall_s=round(wall, 3), output_tok_s=round(tokens / wall, 1) if wall > 0 else None,
+        tpot_p50_ms=_ms(percentile(tpots, 0.5)), tpot_p90_ms=_ms(percentile(tpots, 0.9)),
+        ttft_p50_ms=_ms(percentile([r.ttft for r in ok], 0.5)),
+        accept_length=(round(sum(a * n for a, n in acc) / sum(n for _, n in acc), 3)
+                       if acc else None),
+        per_replica_tokens=_per_replica(ok),
+        first_error=next((r.error for r in results if r.error), None),
+    )
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 2)
+
+
+def _per_replica(ok: list[RequestResult]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for r in ok:
+        out[r.replica] = out.get(r.replica, 0) + len(r.output_ids)
+    return out

@@ -1,0 +1,100 @@
+"""Benchmark settings (configs/*.yaml): one file per setup, validated with pydantic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+
+class Arm(BaseModel):
+    """One server configuration to compare: no speculation, DFLASH, or DDTREE(B)."""
+
+    name: str
+    algorithm: Optional[Literal["DFLASH", "DDTREE"]] = None
+    budget: Optional[int] = Field(None, ge=1, description="DDTREE tree budget B")
+
+    @model_validator(mode="after")
+    def _budget_only_for_ddtree(self) -> "Arm":
+        if self.algorithm == "DDTREE" and self.budget is None:
+            raise ValueError(f"arm {self.name}: DDTREE needs a budget")
+        if self.algorithm != "DDTREE" and self.budget is not None:
+            raise ValueError(f"arm {self.name}: budget applies to DDTREE only")
+        return self
+
+
+class Prompts(BaseModel):
+    """Local JSONL (testbed format: plain `prompt` or chat `messages`), or a datasets name."""
+
+    source: str = "testbed/prompts.jsonl"
+    limit: int = Field(64, ge=1)
+
+    @field_validator("source")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v.endswith(".jsonl") or v in DATASETS:
+            return v
+        raise ValueError(f"prompts.source must be a .jsonl path or one of {sorted(DATASETS)}; got {v!r}")
+
+
+DATASETS = {"gsm8k": ("openai/gsm8k", "main", "test", "question"),
+            "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
+            "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem"),
+            "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt")}
+
+
+class CostMode(BaseModel):
+    """Random-weight Qwen3-8B-shaped target + 8B-DFlash-b16-shaped drafter: per-step cost."""
+
+    enabled: bool = False
+    batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    budgets: list[int] = [16, 32, 64, 128, 256]
+    prompt_len: int = 512
+    new_tokens: int = 128
+    workdir: str = "/tmp/ddtree_cost_models"
+
+
+class BenchConfig(BaseModel):
+    name: str
+    model_path: str = "testbed/target"
+    draft_model_path: str = "testbed/drafter"
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    attention_backend: Literal["triton", "flashinfer"] = "triton"
+    mem_fraction_static: float = Field(0.3, gt=0, lt=1)
+    cuda_graph_max_bs: int = Field(64, ge=1)
+    page_size: int = 1
+    disable_overlap_schedule: bool = False
+    gpus: list[int] = Field([0], min_length=1, description="one replica per entry")
+    arms: list[Arm]
+    concurrency: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    prompts: Prompts = Prompts()
+    max_new_tokens: int = Field(128, ge=2)
+    temperature: float = Field(0.0, ge=0)
+    requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
+    startup_timeout_s: float = 900
+    cost_mode: CostMode = CostMode()
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1:
+            raise ValueError(f"concurrency levels must be >= 1; got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _unique_arms(self) -> "BenchConfig":
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names must be unique; got {names}")
+        if not self.arms:
+            raise ValueError("at least one arm is needed")
+        return self
+
+
+def load_config(path: str | Path) -> BenchConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config {p} not found; see configs/*.yaml")
+    return BenchConfig(**yaml.safe_load(p.read_text()))

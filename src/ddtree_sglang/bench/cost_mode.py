@@ -1,0 +1,109 @@
+"""Cost mode: the per-step cost of each arm at real model size, without real weights.
+
+A target with Qwen3-8B's configuration and a drafter shaped like z-lab/Qwen3-8B-DFlash-b16 are
+written with random weights on the GPU machine (nothing is downloaded).  Acceptance is
+meaningless with random weights, cost is not: each arm's decode step time is measured in the
+real server, and combined with published acceptance lengths into a *projected* speedup.  The
+break-even acceptance length (step time / plain step time) needs no assumption at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Qwen3-8B (config.json of Qwen/Qwen3-8B) and the z-lab 8B drafter shape (reference notes 2.3).
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
+                bos_token_id=151643, eos_token_id=151645, attention_bias=False)
+DRAFTER_8B = dict(architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=151936,
+                  hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                  hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
+                  attention_bias=False, layer_types=["full_attention"] * 5, block_size=16,
+                  num_target_layers=36,
+                  dflash_config=dict(target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669))
+# Published mean acceptance lengths, Qwen3-8B, T = 0 (DDTree paper Table 1, mean of 10 sets;
+# DDTree at its best budget per data set).
+PUBLISHED_TAU = {"DFLASH": 6.00, "DDTREE": 8.71}
+
+
+def _layer_shapes(cfg: dict, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"{prefix}layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (cfg["head_dim"],),
+            p + "self_attn.k_norm.weight": (cfg["head_dim"],),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i)})
+    return shapes
+
+
+def write_random_models(workdir: str | Path, device: str = "cuda") -> tuple[Path, Path]:
+    """Write (once) the random-weight target and drafter; returns their directories."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(workdir)
+    target, drafter = root / "qwen3_8b_random", root / "qwen3_8b_dflash_random"
+    for path, cfg, shapes in [
+        (target, QWEN3_8B, {**_layer_shapes(QWEN3_8B, "model."),
+                            "model.embed_tokens.weight": (QWEN3_8B["vocab_size"], 4096),
+                            "model.norm.weight": (4096,),
+                            "lm_head.weight": (QWEN3_8B["vocab_size"], 4096)}),
+        (drafter, DRAFTER_8B, {**_layer_shapes(DRAFTER_8B, ""), "fc.weight": (4096, 5 * 4096),
+                               "hidden_norm.weight": (4096,), "norm.weight": (4096,)}),
+    ]:
+        if (path / "model.safetensors").exists():
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator(device=device).manual_seed(0)
+        tensors = {}
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16, device=device)
+            else:
+                tensors[name] = (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        del tensors
+    return target, drafter
+
+
+def step_time_ms(results) -> float | None:
+    """Median decode time per target step over requests: (latency - ttft) / steps."""
+    vals = []
+    for r in results:
+        if r.error or len(r.output_ids) < 2:
+            continue
+        steps = r.verify_ct if r.verify_ct else len(r.output_ids) - 1
+        vals.append(1000 * (r.latency - r.ttft) / max(1, steps))
+    vals.sort()
+    return round(vals[len(vals) // 2], 3) if vals else None
+
+
+def projection(rows: list[dict]) -> list[dict]:
+    """Add break-even tau and projected speedup (published tau) against the plain arm."""
+    plain = {r["batch_size"]: r["step_ms"] for r in rows if r["algorithm"] is None}
+    out = []
+    for r in rows:
+        base = plain.get(r["batch_size"])
+        row = dict(r)
+        if r["algorithm"] and base and r["step_ms"]:
+            row["break_even_tau"] = round(r["step_ms"] / base, 2)
+            tau = PUBLISHED_TAU[r["algorithm"]]
+            row["published_tau"] = tau
+            row["projected_speedup"] = round(tau * base / r["step_ms"], 2)
+        out.append(row)
+    return out
