@@ -68,7 +68,7 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         mem_fraction_static=cfg.mem_fraction_static, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
         max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
-        extra_args=list(extra))
+        extra_args=list(extra), launcher_module=cfg.launcher_module)
 
 
 def start_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:

@@ -74,6 +74,8 @@ class BenchConfig(BaseModel):
     temperature: float = Field(0.0, ge=0)
     requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
     startup_timeout_s: float = 900
+    launcher_module: str = Field("sglang.launch_server",
+                                 description="module run with -m to start a server")
     cost_mode: CostMode = CostMode()
 
     @field_validator("concurrency")

@@ -39,9 +39,10 @@ class ServerSpec:
     page_size: int = 1
     max_running_requests: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    launcher_module: str = "sglang.launch_server"  # tests substitute a stand-in server
 
     def cli(self, port: int) -> list[str]:
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+        args = [sys.executable, "-m", self.launcher_module, "--model-path", self.model_path,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                 "--attention-backend", self.attention_backend,
                 "--mem-fraction-static", str(self.mem_fraction_static),

@@ -1,0 +1,85 @@
+"""A stand-in for `python -m sglang.launch_server` used by the benchmark harness tests.
+
+It accepts the same command line, serves /health_generate, /generate (plain and streamed, with
+top logprobs), /flush_cache and /get_load on 127.0.0.1, and "generates" a deterministic function
+of the prompt, so every arm is lossless unless FAKE_DIVERGE is set for speculative arms."""
+import argparse
+import json
+import os
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def next_token(prefix):
+    return (sum(prefix) * 31 + len(prefix)) % 1000
+
+
+def continuation(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--speculative-algorithm")
+    args, _ = ap.parse_known_args()
+    spec = args.speculative_algorithm
+    if spec and os.environ.get("FAKE_FAIL_ALGO") == spec:
+        raise SystemExit(f"fake server: refusing {spec} (FAKE_FAIL_ALGO)")
+    diverge = spec is not None and os.environ.get("FAKE_DIVERGE") == "1"
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _json(self, obj, code=200):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health_generate":
+                self._json({})
+            elif self.path == "/get_load":
+                self._json([{"num_tokens": 0}])
+            else:
+                self._json({"error": "no"}, 404)
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path == "/flush_cache":
+                return self._json({})
+            p = req["input_ids"]
+            sp = req.get("sampling_params", {})
+            out = continuation(p, sp.get("max_new_tokens", 8))
+            if diverge and len(out) > 3:
+                out[3] = (out[3] + 1) % 1000
+            meta = {"completion_tokens": len(out)}
+            if spec:
+                meta.update(spec_accept_length=2.0, spec_verify_ct=max(1, len(out) // 2))
+            if req.get("return_logprob"):
+                best = next_token(p)
+                runner_up = -0.02 if os.environ.get("FAKE_TIE") == "1" else -4.0
+                meta["output_top_logprobs"] = [[[-0.01, best, None],
+                                                [runner_up, (best + 1) % 1000, None]]]
+            if not req.get("stream"):
+                return self._json({"output_ids": out, "meta_info": meta})
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for k in range(1, len(out) + 1):
+                chunk = {"output_ids": out[:k], "meta_info": meta}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    ThreadingHTTPServer(("127.0.0.1", args.port), H).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

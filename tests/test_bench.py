@@ -1,0 +1,114 @@
+"""The benchmark harness on CPU, against a stand-in server: replicas, streaming metrics,
+correctness comparison, reports, server shutdown, config errors."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import serve_bench  # noqa: E402
+from ddtree_sglang.bench.config import BenchConfig, load_config  # noqa: E402
+
+
+def write_config(tmp_path, **overrides):
+    cfg = dict(name="fake", model_path=str(ROOT / "testbed" / "target"),
+               draft_model_path=str(ROOT / "testbed" / "drafter"), gpus=[0, 0],
+               arms=[{"name": "no-spec"}, {"name": "dflash", "algorithm": "DFLASH"},
+                     {"name": "ddtree-b32", "algorithm": "DDTREE", "budget": 32}],
+               concurrency=[1, 4], prompts={"source": str(ROOT / "testbed" / "prompts.jsonl"),
+                                            "limit": 6},
+               max_new_tokens=12, startup_timeout_s=60, launcher_module="fake_sglang_server")
+    cfg.update(overrides)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture
+def fake_env(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+
+
+def test_two_replicas_end_to_end(tmp_path, fake_env):
+    out = tmp_path / "res"
+    rc = serve_bench.main(["--config", str(write_config(tmp_path)), "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = res["rows"]
+    assert {(r["arm"], r["concurrency"]) for r in rows} == {
+        (a, c) for a in ("no-spec", "dflash", "ddtree-b32") for c in (1, 4)}
+    for r in rows:
+        assert r["errors"] == 0 and r["output_tokens"] == r["requests"] * 12
+        assert set(r["per_replica_tokens"]) == {"0", "1"} or set(r["per_replica_tokens"]) == {0, 1}
+        assert r["tpot_p50_ms"] is not None and r["ttft_p50_ms"] is not None
+    assert rows[-1]["arm"] == "no-spec"  # the reference runs last
+    spec_row = next(r for r in rows if r["arm"] == "ddtree-b32")
+    assert spec_row["accept_length"] == 2.0
+    assert res["correctness"]["ddtree-b32"]["identical"] == 6
+    md = (out / "results.md").read_text()
+    assert "ddtree-b32" in md and "identical" in md
+    assert (out / "throughput.png").exists() and (out / "tpot.png").exists()
+    logs = list((out / "logs").glob("*.log"))
+    assert len(logs) == 6  # 3 arms x 2 replicas, all stopped (no process left behind)
+
+
+def test_divergence_is_reported_with_tie_check(tmp_path, fake_env, monkeypatch):
+    monkeypatch.setenv("FAKE_DIVERGE", "1")
+    out = tmp_path / "res"
+    serve_bench.main(["--config", str(write_config(tmp_path, concurrency=[2])), "--out", str(out),
+                      "--arms", "no-spec,ddtree-b32"])
+    c = json.loads((out / "results.json").read_text())["correctness"]["ddtree-b32"]
+    assert c["identical"] == 0 and c["diverged"] == 6 and c["diverged_not_tie"] == 6
+    assert c["examples"][0]["position"] == 3 and c["examples"][0]["logprob_gap"] > 3
+    monkeypatch.setenv("FAKE_TIE", "1")
+    serve_bench.main(["--config", str(write_config(tmp_path, concurrency=[2])), "--out", str(out),
+                      "--arms", "no-spec,ddtree-b32"])
+    c = json.loads((out / "results.json").read_text())["correctness"]["ddtree-b32"]
+    assert c["diverged_at_near_tie"] == 6
+
+
+def test_failed_arm_is_reported_and_others_run(tmp_path, fake_env, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_ALGO", "DDTREE")
+    out = tmp_path / "res"
+    rc = serve_bench.main(["--config", str(write_config(tmp_path, concurrency=[1])),
+                           "--out", str(out)])
+    res = json.loads((out / "results.json").read_text())
+    assert rc == 1 and "refusing DDTREE" in res["failures"]["ddtree-b32"]
+    assert {r["arm"] for r in res["rows"]} == {"no-spec", "dflash"}
+    assert "Arms that failed" in (out / "results.md").read_text()
+
+
+def test_config_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="DDTREE needs a budget"):
+        BenchConfig(name="x", arms=[{"name": "a", "algorithm": "DDTREE"}])
+    with pytest.raises(ValueError, match="concurrency levels must be >= 1"):
+        BenchConfig(name="x", arms=[{"name": "a"}], concurrency=[0])
+    with pytest.raises(ValueError, match="arm names must be unique"):
+        BenchConfig(name="x", arms=[{"name": "a"}, {"name": "a"}])
+    with pytest.raises(ValueError, match="must be a .jsonl path or one of"):
+        BenchConfig(name="x", arms=[{"name": "a"}], prompts={"source": "nope"})
+    with pytest.raises(FileNotFoundError, match="configs/"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--config", str(write_config(tmp_path)), "--out", str(tmp_path),
+                          "--arms", "bogus"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_parse(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.arms
+
+
+def test_cost_projection():
+    from ddtree_sglang.bench.cost_mode import projection
+
+    rows = [dict(arm="no-spec", algorithm=None, budget=None, batch_size=1, step_ms=10.0),
+            dict(arm="ddtree-b32", algorithm="DDTREE", budget=32, batch_size=1, step_ms=20.0)]
+    out = projection(rows)
+    assert out[1]["break_even_tau"] == 2.0 and out[1]["projected_speedup"] == round(8.71 / 2, 2)
