@@ -243,20 +243,22 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
 
 
 # -- export -----------------------------------------------------------------------------------
-def write_prompts(held: list[Path], tok, out: Path, n_plain: int = 24, n_chat: int = 8) -> None:
+def write_prompts(held: list[Path], out: Path, n_plain: int = 24, n_chat: int = 8) -> None:
+    """Plain and chat prompts from snippets of held-out files (files may repeat at other
+    offsets when few are held out)."""
     rng = random.Random(7)
+    files = sorted(held)
     rows = []
-    for p in rng.sample(held, min(len(held), n_plain + n_chat)):
-        text = p.read_text(errors="ignore")
-        lines = [l for l in text.splitlines()]
+    for i in range(n_plain + n_chat):
+        p = files[i % len(files)]
+        lines = p.read_text(errors="ignore").splitlines()
         start = rng.randint(0, max(0, len(lines) - 30))
         snippet = "\n".join(lines[start:start + rng.randint(8, 20)]) + "\n"
-        rel = p.name
-        if len([r for r in rows if r["kind"] == "plain"]) < n_plain:
-            rows.append(dict(kind="plain", source=rel, prompt=snippet))
+        if i < n_plain:
+            rows.append(dict(kind="plain", source=p.name, prompt=snippet))
         else:
-            rows.append(dict(kind="chat", source=rel, messages=[dict(
-                role="user", content=f"Continue this Python code from {rel}:\n{snippet}")]))
+            rows.append(dict(kind="chat", source=p.name, messages=[dict(
+                role="user", content=f"Continue this Python code from {p.name}:\n{snippet}")]))
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -351,7 +353,7 @@ def main() -> None:
     tok.save_pretrained(tdir)
     drafter.save_pretrained(ddir, dtype=torch.float16,
                             extra_config={"max_position_embeddings": 2048})
-    write_prompts(held, tok, args.out / "prompts.jsonl")
+    write_prompts(held, args.out / "prompts.jsonl")
     model.float()
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     log(f"exported to {args.out}: {size / 2**20:.2f} MiB")
