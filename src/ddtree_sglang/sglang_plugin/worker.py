@@ -17,11 +17,14 @@ No step reads tensors back to the host.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import fields
 
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
-from ddtree_sglang.layout import build_verify_layout, full_mask
+from ddtree_sglang.graphed import GraphedFunction
+from ddtree_sglang.layout import VerifyLayout, build_verify_layout, full_mask
 from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.tree import build_draft_tree
 
@@ -82,6 +85,9 @@ class DDTreeWorker(DFlashWorkerV2):
         self._draft_block_spec_info = make_draft_block_spec_info(
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        graphs = os.environ.get("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1") != "0"
+        self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
+        self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d",
                         self.budget, self.verify_width, self.block_size, self.depth)
@@ -101,10 +107,8 @@ class DDTreeWorker(DFlashWorkerV2):
         bs, n = len(batch.seq_lens), self.verify_width
 
         hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
-        draft_logits = self._draft_logits(hidden[:, 1:, :])  # [bs, L, V]
-        tree = build_draft_tree(draft_logits, self.budget)
-        layout = build_verify_layout(tree, draft_input.bonus_tokens, batch.seq_lens,
-                                     max_depth=self.depth)
+        layout = VerifyLayout(*self._tree_stage(hidden[:, 1:, :], draft_input.bonus_tokens,
+                                                batch.seq_lens))
 
         verify_fb, can_run_graph = self._prepare_verify(batch, draft_input, layout)
         target_out = self.target_worker.forward_batch_generation(
@@ -115,19 +119,12 @@ class DDTreeWorker(DFlashWorkerV2):
                                                sampling_info=batch.sampling_info,
                                                draft_token_num=n)
         choice = sample_per_node(logits, batch.sampling_info, n).view(bs, n)
-        tokens = layout.draft_tokens.view(bs, n)
-        acc = accept_tree(tokens, layout.tree_parents, layout.tree_depths, choice,
-                          max_depth=self.depth)
-        commit_lens = acc.accept_len.to(torch.int32)
-        out_tokens = committed_tokens(tokens, acc)[:, : self.out_width].clamp(min=0)
+        commit_lens, accept_index, feat_rows, bonus, out_tokens = (
+            t.clone() for t in self._accept_stage(layout.draft_tokens.view(bs, n),
+                                                  layout.tree_parents, layout.tree_depths, choice))
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
-
-        # Accepted nodes (tree indices, root first) as global rows of the verify block.
-        path = acc.accept_path[:, : self.out_width]
-        rows = torch.arange(bs, device=self.device).unsqueeze(1) * n
-        accept_index = torch.where(path >= 0, path + rows, torch.full_like(path, -1))
-        move_accept_tokens_to_target_kvcache(batch, accept_index.to(torch.int32),
-                                             commit_lens - 1, self.model_runner.token_to_kv_pool_allocator)
+        move_accept_tokens_to_target_kvcache(batch, accept_index, commit_lens - 1,
+                                             self.model_runner.token_to_kv_pool_allocator)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
@@ -138,7 +135,7 @@ class DDTreeWorker(DFlashWorkerV2):
         chain_pos = batch.seq_lens.view(bs, 1).to(torch.int64) + torch.arange(
             self.out_width, device=self.device)
         self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=feats[(path.clamp(min=0) + rows).reshape(-1)],
+            target_hidden=feats[feat_rows.reshape(-1)],
             cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
             cache_loc_2d=front_loc, commit_lens=commit_lens)
         logits_output.hidden_states = None
@@ -149,11 +146,30 @@ class DDTreeWorker(DFlashWorkerV2):
             accept_lens=commit_lens,
             can_run_cuda_graph=can_run_graph,
             next_draft_input=self._make_next_draft_input_decode(
-                bonus_tokens=acc.bonus, new_seq_lens=new_seq_lens),
+                bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=self.out_width,
             new_seq_lens=new_seq_lens,
             extra_keep_alive_refs=[verify_fb, layout],
         )
+
+    def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
+        """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
+        tree = build_draft_tree(self._draft_logits(draft_hidden), self.budget)
+        lay = build_verify_layout(tree, roots, seq_lens, max_depth=self.depth)
+        return tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+
+    def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
+        """Walk the trees; returns commit lengths, the accepted rows as global verify-row
+        indices (-1 padded, the KV move's format), their clamped twin for gathering hidden
+        states, the bonus tokens and the committed tokens (fixed shapes; CUDA-graphed)."""
+        bs, n = tokens.shape
+        acc = accept_tree(tokens, parents, depths, choice, max_depth=self.depth)
+        path = acc.accept_path[:, : self.out_width]
+        rows = torch.arange(bs, device=tokens.device).unsqueeze(1) * n
+        accept_index = torch.where(path >= 0, path + rows, torch.full_like(path, -1))
+        out_tokens = committed_tokens(tokens, acc)[:, : self.out_width].clamp(min=0)
+        return (acc.accept_len.to(torch.int32), accept_index.to(torch.int32),
+                path.clamp(min=0) + rows, acc.bonus, out_tokens)
 
     def _host_seq_lens_bound(self, batch, draft_input, extra: int):
         """Host-side per-request upper bounds on the committed lengths, and their sum.

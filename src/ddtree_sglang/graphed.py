@@ -1,0 +1,65 @@
+"""Replay a fixed-shape tensor function as a CUDA graph, one capture per input shape.
+
+DDTree's per-step tree work (build, layout, acceptance) is a few hundred small kernels: launched
+one by one they cost more host time than the GPU spends on them, which is what made an
+independent engine port of DDTree slower than the chain.  The functions are written with fixed
+shapes and no host synchronisation, so they can be captured once per batch size and replayed.
+On the CPU, or if capture fails, the function simply runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class GraphedFunction:
+    """`fn(*tensors) -> tuple of tensors`, replayed from a CUDA graph per input signature.
+
+    Inputs are copied into static buffers; the returned tensors are the graph's static outputs
+    and are overwritten by the next call with the same signature (clone what you keep)."""
+
+    def __init__(self, fn: Callable[..., tuple], name: str, enabled: bool = True,
+                 max_graphs: int = 256) -> None:
+        self.fn, self.name, self.enabled, self.max_graphs = fn, name, enabled, max_graphs
+        self._graphs: dict[tuple, tuple] = {}
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        if not self.enabled or not inputs[0].is_cuda or torch.cuda.is_current_stream_capturing():
+            return self.fn(*inputs)
+        key = tuple((t.shape, t.dtype) for t in inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= self.max_graphs:
+                return self.fn(*inputs)
+            try:
+                entry = self._capture(inputs)
+            except Exception as exc:  # noqa: BLE001 - fall back to eager for good
+                logger.warning("%s: CUDA graph capture failed (%s); running eagerly", self.name, exc)
+                self.enabled = False
+                return self.fn(*inputs)
+            self._graphs[key] = entry
+        graph, static_in, static_out = entry
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return static_out
+
+    def _capture(self, inputs: tuple) -> tuple:
+        static_in = [t.clone() for t in inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels and allocator outside the capture
+                self.fn(*static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # A private memory pool (other graphs' outputs stay intact); thread-local capture so
+        # other serving threads' CUDA calls are unaffected.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            static_out = self.fn(*static_in)
+        return graph, static_in, static_out
