@@ -20,34 +20,37 @@ logger = logging.getLogger(__name__)
 class GraphedFunction:
     """`fn(*tensors) -> tuple of tensors`, replayed from a CUDA graph per input signature.
 
-    Inputs are copied into static buffers; the returned tensors are the graph's static outputs
-    and are overwritten by the next call with the same signature (clone what you keep)."""
+    Inputs are copied into static buffers and the outputs are cloned out of the graph, so
+    callers own what they get.  All graphs of one instance share a memory pool (one batch
+    size's intermediates, not one per size); that is safe because replays are sequential on one
+    stream and nothing is read from the pool after its replay's outputs are cloned."""
 
     def __init__(self, fn: Callable[..., tuple], name: str, enabled: bool = True,
                  max_graphs: int = 256) -> None:
         self.fn, self.name, self.enabled, self.max_graphs = fn, name, enabled, max_graphs
         self._graphs: dict[tuple, tuple] = {}
+        self._pool = None
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
         if not self.enabled or not inputs[0].is_cuda or torch.cuda.is_current_stream_capturing():
-            return self.fn(*inputs)
+            return tuple(self.fn(*inputs))
         key = tuple((t.shape, t.dtype) for t in inputs)
         entry = self._graphs.get(key)
         if entry is None:
             if len(self._graphs) >= self.max_graphs:
-                return self.fn(*inputs)
+                return tuple(self.fn(*inputs))
             try:
                 entry = self._capture(inputs)
             except Exception as exc:  # noqa: BLE001 - fall back to eager for good
                 logger.warning("%s: CUDA graph capture failed (%s); running eagerly", self.name, exc)
                 self.enabled = False
-                return self.fn(*inputs)
+                return tuple(self.fn(*inputs))
             self._graphs[key] = entry
         graph, static_in, static_out = entry
         for dst, src in zip(static_in, inputs):
             dst.copy_(src)
         graph.replay()
-        return static_out
+        return tuple(t.clone() for t in static_out)
 
     def _capture(self, inputs: tuple) -> tuple:
         static_in = [t.clone() for t in inputs]
@@ -58,8 +61,9 @@ class GraphedFunction:
                 self.fn(*static_in)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # A private memory pool (other graphs' outputs stay intact); thread-local capture so
-        # other serving threads' CUDA calls are unaffected.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Thread-local capture: other serving threads' CUDA calls are unaffected.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             static_out = self.fn(*static_in)
         return graph, static_in, static_out

@@ -141,7 +141,11 @@ def post_json(url: str, payload: dict, timeout: float = 600.0) -> dict:
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            body = r.read()
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:  # e.g. /flush_cache answers in plain text
+            return {"text": body.decode(errors="ignore")}
     except urllib.error.HTTPError as e:
         return {"error": {"status": e.code, "body": e.read().decode(errors="ignore")}}
 

@@ -92,6 +92,35 @@ class DDTreeWorker(DFlashWorkerV2):
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d",
                         self.budget, self.verify_width, self.block_size, self.depth)
 
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        self._capture_tree_graphs()
+
+    def _capture_tree_graphs(self) -> None:
+        """Capture the tree and acceptance stages for every decode CUDA-graph batch size at
+        startup (largest first, so the shared pool is sized once) instead of on first use."""
+        if not (self._tree_stage.enabled and torch.cuda.is_available()):
+            return
+        try:
+            from sglang.srt.runtime_context import get_exec
+
+            sizes = sorted(set(get_exec().graph.cuda_graph_config.decode.bs), reverse=True)
+        except Exception:  # noqa: BLE001 - graphs off or no decode sizes: capture lazily
+            return
+        hidden = self.draft_model_runner.model_config.hidden_size
+        dtype = self.draft_model_runner.model_config.dtype
+        n = self.verify_width
+        for bs in sizes:
+            lay = VerifyLayout(*self._tree_stage(
+                torch.zeros((bs, self.depth, hidden), dtype=dtype, device=self.device),
+                torch.zeros(bs, dtype=torch.int64, device=self.device),
+                torch.ones(bs, dtype=torch.int64, device=self.device)))
+            self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents, lay.tree_depths,
+                               torch.zeros((bs, n), dtype=torch.int64, device=self.device))
+        torch.cuda.synchronize()
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE tree/accept stages captured for batch sizes %s", sizes)
+
     def _maybe_build_draft_sampler(self):
         return None  # DDTREE needs the drafter's whole distributions, not its argmax
 
@@ -107,8 +136,8 @@ class DDTreeWorker(DFlashWorkerV2):
         bs, n = len(batch.seq_lens), self.verify_width
 
         hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
-        layout = VerifyLayout(*self._tree_stage(hidden[:, 1:, :], draft_input.bonus_tokens,
-                                                batch.seq_lens))
+        layout = VerifyLayout(*self._tree_stage(hidden[:, 1:, :], draft_input.bonus_tokens.long(),
+                                                batch.seq_lens.long()))
 
         verify_fb, can_run_graph = self._prepare_verify(batch, draft_input, layout)
         target_out = self.target_worker.forward_batch_generation(
@@ -119,9 +148,8 @@ class DDTreeWorker(DFlashWorkerV2):
                                                sampling_info=batch.sampling_info,
                                                draft_token_num=n)
         choice = sample_per_node(logits, batch.sampling_info, n).view(bs, n)
-        commit_lens, accept_index, feat_rows, bonus, out_tokens = (
-            t.clone() for t in self._accept_stage(layout.draft_tokens.view(bs, n),
-                                                  layout.tree_parents, layout.tree_depths, choice))
+        commit_lens, accept_index, feat_rows, bonus, out_tokens = self._accept_stage(
+            layout.draft_tokens.view(bs, n), layout.tree_parents, layout.tree_depths, choice)
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
         move_accept_tokens_to_target_kvcache(batch, accept_index, commit_lens - 1,
                                              self.model_runner.token_to_kv_pool_allocator)
