@@ -112,3 +112,25 @@ def test_cost_projection():
             dict(arm="ddtree-b32", algorithm="DDTREE", budget=32, batch_size=1, step_ms=20.0)]
     out = projection(rows)
     assert out[1]["break_even_tau"] == 2.0 and out[1]["projected_speedup"] == round(8.71 / 2, 2)
+
+
+def test_cost_mode_checkpoints_load_strictly(tmp_path):
+    """The random-weight writer produces the names transformers and the DFlash loader expect
+    (checked at a tiny size with the 8B configs' structure)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ddtree_sglang.bench.cost_mode import DRAFTER_8B, QWEN3_8B, write_random_models
+    from ddtree_sglang.reference.drafter import DFlashDrafter
+
+    small = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=300)
+    tcfg = {**QWEN3_8B, **small, "num_hidden_layers": 4}
+    dcfg = {**DRAFTER_8B, **small, "num_hidden_layers": 2, "num_target_layers": 4,
+            "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": 299}}
+    target, drafter = write_random_models(tmp_path, "cpu", tcfg, dcfg)
+    model, info = AutoModelForCausalLM.from_pretrained(target, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    d = DFlashDrafter.from_pretrained(drafter)  # strict: raises on any name mismatch
+    assert d.fc.weight.shape == (64, 128) and d.config.block_size == 16
+    assert model.config.hidden_size == 64 and torch.isfinite(d.fc.weight.float()).all()

@@ -50,20 +50,22 @@ def _layer_shapes(cfg: dict, prefix: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_random_models(workdir: str | Path, device: str = "cuda") -> tuple[Path, Path]:
+def write_random_models(workdir: str | Path, device: str = "cuda", target_cfg: dict = QWEN3_8B,
+                        drafter_cfg: dict = DRAFTER_8B) -> tuple[Path, Path]:
     """Write (once) the random-weight target and drafter; returns their directories."""
     import torch
     from safetensors.torch import save_file
 
     root = Path(workdir)
     target, drafter = root / "qwen3_8b_random", root / "qwen3_8b_dflash_random"
+    h, v = target_cfg["hidden_size"], target_cfg["vocab_size"]
+    taps = len(drafter_cfg["dflash_config"]["target_layer_ids"])
     for path, cfg, shapes in [
-        (target, QWEN3_8B, {**_layer_shapes(QWEN3_8B, "model."),
-                            "model.embed_tokens.weight": (QWEN3_8B["vocab_size"], 4096),
-                            "model.norm.weight": (4096,),
-                            "lm_head.weight": (QWEN3_8B["vocab_size"], 4096)}),
-        (drafter, DRAFTER_8B, {**_layer_shapes(DRAFTER_8B, ""), "fc.weight": (4096, 5 * 4096),
-                               "hidden_norm.weight": (4096,), "norm.weight": (4096,)}),
+        (target, target_cfg, {**_layer_shapes(target_cfg, "model."),
+                              "model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                              "lm_head.weight": (v, h)}),
+        (drafter, drafter_cfg, {**_layer_shapes(drafter_cfg, ""), "fc.weight": (h, taps * h),
+                                "hidden_norm.weight": (h,), "norm.weight": (h,)}),
     ]:
         if (path / "model.safetensors").exists():
             continue
