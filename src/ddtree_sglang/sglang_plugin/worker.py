@@ -110,14 +110,20 @@ class DDTreeWorker(DFlashWorkerV2):
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
         n = self.verify_width
-        for bs in sizes:
-            lay = VerifyLayout(*self._tree_stage(
-                torch.zeros((bs, self.depth, hidden), dtype=dtype, device=self.device),
-                torch.zeros(bs, dtype=torch.int64, device=self.device),
-                torch.ones(bs, dtype=torch.int64, device=self.device)))
-            self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents, lay.tree_depths,
-                               torch.zeros((bs, n), dtype=torch.int64, device=self.device))
-        torch.cuda.synchronize()
+        try:
+            for bs in sizes:
+                lay = VerifyLayout(*self._tree_stage(
+                    torch.zeros((bs, self.depth, hidden), dtype=dtype, device=self.device),
+                    torch.zeros(bs, dtype=torch.int64, device=self.device),
+                    torch.ones(bs, dtype=torch.int64, device=self.device)))
+                self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents,
+                                   lay.tree_depths,
+                                   torch.zeros((bs, n), dtype=torch.int64, device=self.device))
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
+            logger.warning("DDTREE: startup capture of the tree stage failed (%s); graphs are "
+                           "captured on first use instead", exc)
+            return
         if self.ps.tp_rank == 0:
             logger.info("DDTREE tree/accept stages captured for batch sizes %s", sizes)
 
