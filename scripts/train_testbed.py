@@ -129,6 +129,13 @@ def lr_at(step: float, total: float, peak: float, warm: float = 0.03) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def optimizer_step(opt, loss, module) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+
+
 def train_target(model, tokens: torch.Tensor, seconds: float, dev) -> None:
     model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05,
@@ -143,10 +150,7 @@ def train_target(model, tokens: torch.Tensor, seconds: float, dev) -> None:
         with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
             logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().view(-1, VOCAB), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, model)
         step += 1
         if step % 200 == 0:
             log(f"target step {step} loss {loss.item():.3f} ({el:.0f}s)")
@@ -230,10 +234,7 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
             logits = head(h).float()
         ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
         loss = (ce.view(b, -1, BLOCK - 1) * weights).sum(-1).mean() / weights.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, drafter)
         step += 1
         if step % 200 == 0:
             acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
