@@ -25,6 +25,13 @@ from ddtree_sglang.layout import build_verify_layout, full_mask
 from ddtree_sglang.tree import build_draft_tree
 
 
+def triton_build(logits, budget):
+    from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported
+
+    depth = logits.shape[1]
+    return build_draft_tree_triton(logits, budget) if supported(budget, depth) else None
+
+
 def heap_build(log_probs: torch.Tensor, budget: int) -> list[tuple[int, int]]:
     """The reference's CPU heap for one request (top-k copied to the host first)."""
     depth, vocab = log_probs.shape
@@ -92,6 +99,12 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
 
     gpu_us = time_graph(step, iters)
     build_us = time_graph(build_only, iters)
+    kernel_us = None
+    if triton_build(logits, budget) is not None:
+        ref, fused = build_draft_tree(logits, budget), triton_build(logits, budget)
+        if not (torch.equal(ref.tokens, fused.tokens) and torch.equal(ref.parents, fused.parents)):
+            raise AssertionError(f"Triton tree kernel differs from PyTorch at bs={batch} B={budget}")
+        kernel_us = time_graph(lambda: triton_build(logits, budget), iters)
     lp = torch.log_softmax(logits.float(), -1)
     heap_times = []
     for _ in range(heap_reps):
@@ -103,6 +116,7 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
     heap_us = statistics.median(heap_times)
     return dict(batch=batch, budget=budget, depth=depth, vocab=vocab, ctx=ctx,
                 gpu_step_us=round(gpu_us, 1), gpu_build_us=round(build_us, 1),
+                triton_build_us=None if kernel_us is None else round(kernel_us, 1),
                 cpu_heap_build_us=round(heap_us, 1), heap_over_gpu=round(heap_us / gpu_us, 1))
 
 
@@ -133,9 +147,10 @@ def main() -> None:
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",
              "", f"`{meta['command']}`", "",
-             "| batch | B | GPU step (us) | GPU build only (us) | CPU heap build (us) | heap / GPU step |",
-             "|---|---|---|---|---|---|"]
+             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | CPU heap build (us) | heap / GPU step |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['budget']} | {r['gpu_step_us']} | {r['gpu_build_us']} | "
+              f"{r['triton_build_us'] if r['triton_build_us'] is not None else '-'} | "
               f"{r['cpu_heap_build_us']} | {r['heap_over_gpu']}x |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -115,6 +115,21 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
     validate(SimpleNamespace(**base))  # and the base itself is fine
 
 
+def test_environment_knobs_are_checked(monkeypatch):
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, env_setting, validate
+
+    assert env_setting("SGLANG_DDTREE_TREE_KERNEL") == "torch"
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "cuda")
+    base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
+                speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
+    with pytest.raises(DDTreeConfigError, match="accepted: torch, triton"):
+        validate(SimpleNamespace(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "triton")
+    monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "yes")
+    with pytest.raises(DDTreeConfigError, match="accepted: 1, 0"):
+        validate(SimpleNamespace(**base))
+
+
 def test_target_verify_graph_gets_the_tree_mask(plugin_loaded):
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.speculative.eagle_info import EagleVerifyInput

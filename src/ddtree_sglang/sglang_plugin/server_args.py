@@ -37,6 +37,21 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
                       "lfm2", "minimax_m1", "plamo2", "zamba2"}
 
 
+ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
+               "SGLANG_DDTREE_TREE_KERNEL": ("torch", "triton")}
+
+
+def env_setting(name: str) -> str:
+    """A DDTREE environment knob, checked against its accepted values (first = default)."""
+    import os
+
+    value = os.environ.get(name, ENV_CHOICES[name][0])
+    if value not in ENV_CHOICES[name]:
+        raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
+                                f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
+    return value
+
+
 class DDTreeConfigError(ValueError):
     """A server argument DDTREE cannot run with; the message names the accepted values."""
 
@@ -140,6 +155,11 @@ def validate(args: Any) -> None:
     except DDTreeConfigError as exc:
         errors.append(str(exc))
     errors += _backend_errors(args)
+    for name in ENV_CHOICES:
+        try:
+            env_setting(name)
+        except DDTreeConfigError as exc:
+            errors.append(str(exc))
     page = _get(args, "page_size")
     if page not in (None, 1):
         errors.append(f"DDTREE supports --page-size 1 only for now; got {page} "

@@ -17,7 +17,6 @@ No step reads tensors back to the host.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import fields
 
 import torch
@@ -25,7 +24,10 @@ import torch
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.layout import VerifyLayout, build_verify_layout, full_mask
+from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
+from ddtree_sglang.kernels.tree_build import supported as tree_kernel_supported
 from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin.server_args import env_setting
 from ddtree_sglang.tree import build_draft_tree
 
 from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
@@ -85,7 +87,9 @@ class DDTreeWorker(DFlashWorkerV2):
         self._draft_block_spec_info = make_draft_block_spec_info(
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
-        graphs = os.environ.get("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1") != "0"
+        graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
+        self._tree_kernel = env_setting("SGLANG_DDTREE_TREE_KERNEL") == "triton" and \
+            tree_kernel_supported(self.budget, self.depth)
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         if self.ps.tp_rank == 0:
@@ -188,7 +192,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
         """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
-        tree = build_draft_tree(self._draft_logits(draft_hidden), self.budget)
+        build = build_draft_tree_triton if self._tree_kernel else build_draft_tree
+        tree = build(self._draft_logits(draft_hidden), self.budget)
         lay = build_verify_layout(tree, roots, seq_lens, max_depth=self.depth)
         return tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
 
