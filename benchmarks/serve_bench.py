@@ -128,14 +128,18 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str) -> dict:
                 correctness=correctness, failures=failures)
 
 
-def run_cost_mode(cfg: BenchConfig, out: Path, command: str) -> dict:
+def cost_arms(cfg: BenchConfig) -> list[Arm]:
+    return [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
+        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets]
+
+
+def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None) -> dict:
     cm = cfg.cost_mode
     target, drafter = cost_mode.write_random_models(cm.workdir)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 150000) for _ in range(cm.prompt_len)] for _ in range(64)]
     params = dict(temperature=0.0, max_new_tokens=cm.new_tokens, ignore_eos=True)
-    arms = [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
-        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cm.budgets]
+    arms = [a for a in cost_arms(cfg) if only is None or a.name in only]
     rows, failures = [], {}
     for arm in arms:
         spec = server_spec(cfg, arm, str(target), str(drafter), extra=["--skip-tokenizer-init"])
@@ -206,19 +210,21 @@ def main(argv: list[str] | None = None) -> int:
         updates["concurrency"] = [int(x) for x in args.concurrency.split(",")]
     if args.gpus:
         updates["gpus"] = [int(x) for x in args.gpus.split(",")]
-    if args.arms:
-        keep = args.arms.split(",")
-        unknown = set(keep) - {a.name for a in cfg.arms}
+    keep = args.arms.split(",") if args.arms else None
+    if keep:
+        names = [a.name for a in (cost_arms(cfg) if cfg.cost_mode.enabled else cfg.arms)]
+        unknown = set(keep) - set(names)
         if unknown:
-            ap.error(f"unknown arms {sorted(unknown)}; the config has {[a.name for a in cfg.arms]}")
-        updates["arms"] = [a for a in cfg.arms if a.name in keep]
+            ap.error(f"unknown arms {sorted(unknown)}; this config has {names}")
+        if not cfg.cost_mode.enabled:
+            updates["arms"] = [a for a in cfg.arms if a.name in keep]
     cfg = BenchConfig(**{**cfg.model_dump(), **updates})
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
     elif cfg.cost_mode.enabled:
-        results = run_cost_mode(cfg, args.out, command)
+        results = run_cost_mode(cfg, args.out, command, keep)
     else:
         results = run_throughput(cfg, args.out, command)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -134,3 +134,12 @@ def test_cost_mode_checkpoints_load_strictly(tmp_path):
     d = DFlashDrafter.from_pretrained(drafter)  # strict: raises on any name mismatch
     assert d.fc.weight.shape == (64, 128) and d.config.block_size == 16
     assert model.config.hidden_size == 64 and torch.isfinite(d.fc.weight.float()).all()
+
+
+def test_cost_mode_arm_filter_is_checked(tmp_path):
+    cfg = ROOT / "configs" / "h200_cost_qwen3_8b.yaml"
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--config", str(cfg), "--out", str(tmp_path), "--arms", "ddtree-b7"])
+    names = [a.name for a in serve_bench.cost_arms(load_config(cfg))]
+    assert names == ["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64",
+                     "ddtree-b128", "ddtree-b256"]
