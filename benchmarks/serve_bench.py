@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from ddtree_sglang.bench import client, compare, cost_mode, report  # noqa: E402
 from ddtree_sglang.bench.config import DATASETS, Arm, BenchConfig, load_config  # noqa: E402
 from ddtree_sglang.bench.server import Server, ServerSpec  # noqa: E402
+from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 
 
 def load_prompts(cfg: BenchConfig) -> list[list[int]]:
@@ -37,22 +38,14 @@ def load_prompts(cfg: BenchConfig) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(_abs(cfg.model_path))
     src = cfg.prompts.source
     if src.endswith(".jsonl"):
-        rows = [json.loads(l) for l in Path(_abs(src)).read_text().splitlines() if l.strip()]
+        rows = read_prompts(_abs(src))
     else:  # needs network for the first download
         import datasets
 
         name, subset, split, field = DATASETS[src]
         ds = datasets.load_dataset(name, subset, split=split)
         rows = [dict(kind="chat", messages=[dict(role="user", content=r[field])]) for r in ds]
-    out = []
-    for r in rows[: cfg.prompts.limit]:
-        if r.get("kind") == "chat" and tok.chat_template:
-            ids = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
-            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        else:
-            text = r.get("prompt") or r["messages"][-1]["content"]
-            out.append(tok.encode(text, add_special_tokens=False))
-    return out
+    return [encode_prompt(tok, r) for r in rows[: cfg.prompts.limit]]
 
 
 def _abs(p: str) -> str:

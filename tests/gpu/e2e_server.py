@@ -27,19 +27,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 from ddtree_sglang.bench.server import Server, ServerSpec, get_json, post_json  # noqa: E402
+from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 
 
 def load_prompts(tok, path: Path, limit: int) -> list[list[int]]:
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()][:limit]
-    out = []
-    for r in rows:
-        if r["kind"] == "chat":
-            ids = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tok.encode(r["prompt"], add_special_tokens=False)
-        out.append(list(ids))
-    return out
+    return [encode_prompt(tok, r) for r in read_prompts(path)[:limit]]
 
 
 def generate(url: str, prompts: list[list[int]], params: list[dict], workers: int = 32):

@@ -21,12 +21,23 @@ class Testbed:
     prompts: list[dict]
 
     def encode(self, row: dict) -> list[int]:
-        """Token ids of a prompts.jsonl row: plain text, or chat messages + generation prompt."""
-        if row.get("kind") == "chat":
-            ids = self.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
-                                                     tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return self.tokenizer.encode(row["prompt"], add_special_tokens=False)
+        return encode_prompt(self.tokenizer, row)
+
+
+def encode_prompt(tokenizer, row: dict) -> list[int]:
+    """Token ids of a prompts.jsonl row: plain text, or chat messages + generation prompt
+    (the last message's text when the tokenizer has no chat template)."""
+    if row.get("kind") == "chat":
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                                tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return tokenizer.encode(row["messages"][-1]["content"], add_special_tokens=False)
+    return tokenizer.encode(row["prompt"], add_special_tokens=False)
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
 
 def load_testbed(path: str | Path = DEFAULT_TESTBED, device: str = "cpu",
@@ -42,5 +53,5 @@ def load_testbed(path: str | Path = DEFAULT_TESTBED, device: str = "cpu",
     drafter = DFlashDrafter.from_pretrained(root / "drafter", dtype=dtype, device=device)
     eos = tuple(t for t in (tok.convert_tokens_to_ids("<|endoftext|>"),
                             tok.convert_tokens_to_ids("<|im_end|>")) if t is not None)
-    prompts = [json.loads(l) for l in (root / "prompts.jsonl").read_text().splitlines() if l.strip()]
+    prompts = read_prompts(root / "prompts.jsonl")
     return Testbed(ReferenceSpeculator(target, drafter, eos_token_ids=eos), tok, prompts)
