@@ -106,10 +106,15 @@ class DDTreeWorker(DFlashWorkerV2):
         if not (self._tree_stage.enabled and torch.cuda.is_available()):
             return
         try:
+            from sglang.srt.model_executor.cuda_graph_config import Backend
             from sglang.srt.runtime_context import get_exec
 
-            sizes = sorted(set(get_exec().graph.cuda_graph_config.decode.bs), reverse=True)
-        except Exception:  # noqa: BLE001 - graphs off or no decode sizes: capture lazily
+            decode = get_exec().graph.cuda_graph_config.decode
+            sizes = sorted(set(decode.bs), reverse=True)
+        except Exception:  # noqa: BLE001 - no decode sizes known: capture lazily
+            return
+        if decode.backend == Backend.DISABLED:  # the user turned CUDA graphs off: keep it so
+            self._tree_stage.enabled = self._accept_stage.enabled = False
             return
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
