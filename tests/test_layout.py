@@ -3,10 +3,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ddtree_sglang.layout import (
-    ancestor_matrix, build_verify_layout, full_mask, packed_mask, tree_parents_and_depths,
-    unpack_mask,
+    ancestor_matrix, build_verify_layout, full_mask, packed_mask, unpack_mask,
 )
-from ddtree_sglang.tree import DraftTree, build_draft_tree
+from ddtree_sglang.tree import build_draft_tree
 
 
 def brute_ancestors(parents: list[int]) -> torch.Tensor:

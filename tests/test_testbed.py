@@ -1,6 +1,5 @@
 """The shipped testbed pair on CPU: it loads, DDTree is lossless on it, and it really accepts."""
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -93,7 +93,6 @@ def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, slo
     tl.store(slot_row + order, flat.to(tl.int32), mask=first)
     tl.debug_barrier()
     od = order // BP
-    op = order % BP
     par_pos = tl.load(bp_row + order, mask=first, other=-1)
     par_flat = tl.where(par_pos >= 0, (od - 1) * BP + par_pos, 0)
     par_slot = tl.load(slot_row + par_flat, mask=first & (par_pos >= 0), other=-1)

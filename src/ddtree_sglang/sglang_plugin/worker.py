@@ -17,13 +17,12 @@ No step reads tensors back to the host.
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
 
 import torch
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.decode_step import StepCommit, accept_stage, tree_stage
 from ddtree_sglang.graphed import GraphedFunction
-from ddtree_sglang.layout import VerifyLayout, build_verify_layout, full_mask
+from ddtree_sglang.layout import VerifyLayout, full_mask
 from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 from ddtree_sglang.kernels.tree_build import supported as tree_kernel_supported
 from ddtree_sglang.sglang_plugin import internals
@@ -163,10 +162,11 @@ class DDTreeWorker(DFlashWorkerV2):
                                                sampling_info=batch.sampling_info,
                                                draft_token_num=n)
         choice = sample_per_node(logits, batch.sampling_info, n).view(bs, n)
-        commit_lens, accept_index, feat_rows, bonus, out_tokens = self._accept_stage(
-            layout.draft_tokens.view(bs, n), layout.tree_parents, layout.tree_depths, choice)
+        step = StepCommit(*self._accept_stage(layout.draft_tokens.view(bs, n),
+                                              layout.tree_parents, layout.tree_depths, choice))
+        commit_lens = step.commit_lens
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
-        move_accept_tokens_to_target_kvcache(batch, accept_index, commit_lens - 1,
+        move_accept_tokens_to_target_kvcache(batch, step.accept_index, commit_lens - 1,
                                              self.model_runner.token_to_kv_pool_allocator)
         if on_publish is not None:
             on_publish(new_seq_lens)
@@ -178,18 +178,18 @@ class DDTreeWorker(DFlashWorkerV2):
         chain_pos = batch.seq_lens.view(bs, 1).to(torch.int64) + torch.arange(
             self.out_width, device=self.device)
         self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=feats[feat_rows.reshape(-1)],
+            target_hidden=feats[step.feature_rows.reshape(-1)],
             cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
             cache_loc_2d=front_loc, commit_lens=commit_lens)
         logits_output.hidden_states = None
 
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=out_tokens.reshape(-1),
+            next_token_ids=step.tokens.reshape(-1),
             accept_lens=commit_lens,
             can_run_cuda_graph=can_run_graph,
             next_draft_input=self._make_next_draft_input_decode(
-                bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+                bonus_tokens=step.bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=self.out_width,
             new_seq_lens=new_seq_lens,
             extra_keep_alive_refs=[verify_fb, layout],
@@ -197,23 +197,13 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
         """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
-        build = build_draft_tree_triton if self._tree_kernel else build_draft_tree
-        tree = build(self._draft_logits(draft_hidden), self.budget)
-        lay = build_verify_layout(tree, roots, seq_lens, max_depth=self.depth)
-        return tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+        builder = build_draft_tree_triton if self._tree_kernel else build_draft_tree
+        return tree_stage(self._draft_logits(draft_hidden), roots, seq_lens, self.budget,
+                          self.depth, builder)
 
     def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
-        """Walk the trees; returns commit lengths, the accepted rows as global verify-row
-        indices (-1 padded, the KV move's format), their clamped twin for gathering hidden
-        states, the bonus tokens and the committed tokens (fixed shapes; CUDA-graphed)."""
-        bs, n = tokens.shape
-        acc = accept_tree(tokens, parents, depths, choice, max_depth=self.depth)
-        path = acc.accept_path[:, : self.out_width]
-        rows = torch.arange(bs, device=tokens.device).unsqueeze(1) * n
-        accept_index = torch.where(path >= 0, path + rows, torch.full_like(path, -1))
-        out_tokens = committed_tokens(tokens, acc)[:, : self.out_width].clamp(min=0)
-        return (acc.accept_len.to(torch.int32), accept_index.to(torch.int32),
-                path.clamp(min=0) + rows, acc.bonus, out_tokens)
+        """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
+        return accept_stage(tokens, parents, depths, choice, self.depth, self.out_width)
 
     def _host_seq_lens_bound(self, batch, draft_input, extra: int):
         """Host-side per-request upper bounds on the committed lengths, and their sum.
@@ -271,7 +261,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _prepare_verify(self, batch, draft_input, layout):
         """Tree verify input + TARGET_VERIFY forward batch (graph loaded when it fits)."""
-        bs, n = len(batch.seq_lens), self.verify_width
+        n = self.verify_width
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, n)
         mask = full_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
         verify_input = EagleVerifyInput(

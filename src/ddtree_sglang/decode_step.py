@@ -1,0 +1,53 @@
+"""The two fixed-shape stages of a DDTree decode step, engine-agnostic (the SGLang worker
+replays them from CUDA graphs): drafter logits -> tree + verify layout, and target choices ->
+acceptance in the form a KV-cache commit needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.layout import VerifyLayout, build_verify_layout
+from ddtree_sglang.tree import build_draft_tree
+
+
+def tree_stage(draft_logits: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
+               budget: int, depth: int, builder=build_draft_tree) -> tuple:
+    """[bs, L, V] drafter logits -> the VerifyLayout fields, as a flat tuple (graph outputs)."""
+    lay = build_verify_layout(builder(draft_logits, budget), roots, seq_lens, max_depth=depth)
+    return tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """What one verified step commits, per request (out_width = tokens a row can hold).
+
+    commit_lens [bs] int32: tokens committed (accepted nodes + bonus).
+    accept_index [bs, out_width] int32: the accepted path's rows in the flattened [bs * N]
+        verify block (root first), -1 past the end - the format of EAGLE's accept_index.
+    feature_rows [bs, out_width] int64: the same rows clamped to valid indices (for gathers;
+        entries past commit_lens are never read).
+    bonus [bs]: the target's token after the path.  tokens [bs, out_width]: committed tokens
+        (accepted draft tokens, then the bonus), zero-padded.
+    """
+
+    commit_lens: torch.Tensor
+    accept_index: torch.Tensor
+    feature_rows: torch.Tensor
+    bonus: torch.Tensor
+    tokens: torch.Tensor
+
+
+def accept_stage(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                 choice: torch.Tensor, depth: int, out_width: int) -> tuple:
+    """Walk the trees along the target's choices; returns the StepCommit fields as a tuple."""
+    bs, n = tokens.shape
+    acc = accept_tree(tokens, parents, depths, choice, max_depth=depth)
+    path = acc.accept_path[:, :out_width]
+    rows = torch.arange(bs, device=tokens.device).unsqueeze(1) * n
+    accept_index = torch.where(path >= 0, path + rows, torch.full_like(path, -1))
+    out_tokens = committed_tokens(tokens, acc)[:, :out_width].clamp(min=0)
+    return (acc.accept_len.to(torch.int32), accept_index.to(torch.int32),
+            path.clamp(min=0) + rows, acc.bonus, out_tokens)
