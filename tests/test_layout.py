@@ -70,3 +70,16 @@ def test_packed_mask_round_trip(n):
     packed = packed_mask(anc)
     assert packed.shape == (1, n, (n + 31) // 32) and packed.dtype == torch.int32
     assert torch.equal(unpack_mask(packed, n), anc)
+
+
+def test_full_mask_with_an_upper_bound_on_the_lengths():
+    """The worker sizes the mask from a host-side upper bound; blocks must still sit at the
+    offsets the attention backends compute from the exact device lengths."""
+    tree = random_trees(2, 6, 9, 7, 3)
+    seq_lens = torch.tensor([5, 2])
+    lay = build_verify_layout(tree, torch.zeros(2, dtype=torch.long), seq_lens)
+    n = 8
+    exact = full_mask(lay.ancestors, seq_lens, 7)
+    bounded = full_mask(lay.ancestors, seq_lens, 7 + 40)
+    assert torch.equal(bounded[: exact.numel()], exact)
+    assert bool(bounded[exact.numel():].all()) and bounded.numel() == 47 * n + 2 * n * n
