@@ -8,7 +8,7 @@ greedy outputs for the held-out prompts, sent concurrently, are the target's own
 (every emitted token is re-scored by the target in float32 with transformers: it must be the
 argmax, or within --tie-tol logits of it); temperature-1 outputs have the target's own mean
 log-likelihood (mean NLL of the sampled tokens vs mean entropy at those positions); 24
-concurrent requests of different lengths; a logprob request is refused with a message and the
+concurrent requests of different lengths (greedy, T=1, top-p, top-k, min-p, frequency and repetition penalties); n=2 through /v1/completions; a logprob request is refused with a message and the
 server stays up; after /flush_cache the KV pool holds no tokens.  Prints a table last and writes
 e2e.json under --out.
 """
@@ -60,6 +60,9 @@ def check_arm(spec: ServerSpec, prompts, out: Path, max_new: int) -> dict:
                        "messages": [{"role": "user", "content": "Write a Python loop."}]})
         res["openai_completions"] = bool(c.get("choices")) and bool(c["choices"][0].get("text"))
         res["openai_chat"] = bool(ch.get("choices")) and bool(ch["choices"][0]["message"].get("content"))
+        two = post_json(url + "/v1/completions", {"model": "x", "prompt": "import os\n", "n": 2,
+                                                  "max_tokens": 16, "temperature": 0.8})
+        res["openai_n2_choices"] = len(two.get("choices") or [])
         greedy = dict(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
         t1 = time.time()
         g = generate(url, prompts, [greedy] * len(prompts))
@@ -76,6 +79,13 @@ def check_arm(spec: ServerSpec, prompts, out: Path, max_new: int) -> dict:
         mixed_params = [dict(temperature=0.0 if i % 2 == 0 else 1.0, top_p=0.95 if i % 4 == 1 else 1.0,
                              top_k=20 if i % 4 == 3 else -1, max_new_tokens=8 + 4 * i, ignore_eos=True)
                         for i in range(24)]
+        for i in range(24):  # sampled rows only: the greedy rows are re-scored by the target
+            if i % 8 == 5:
+                mixed_params[i]["min_p"] = 0.05
+            if i % 8 == 7:
+                mixed_params[i]["frequency_penalty"] = 0.3
+            if i % 8 == 3:
+                mixed_params[i]["repetition_penalty"] = 1.1
         m = generate(url, mixed_prompts, mixed_params)
         res["mixed_ok"] = sum(len(r.get("output_ids") or []) == p["max_new_tokens"]
                               for r, p in zip(m, mixed_params))
