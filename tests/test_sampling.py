@@ -46,3 +46,27 @@ def test_tree_walk_samples_the_target_distribution():
         if len(sel) > 2000:
             emp = torch.bincount(sel, minlength=vocab).float() / len(sel)
             assert torch.allclose(emp, p2[t], atol=0.03)
+
+
+def test_sample_rows_matches_processed_distribution():
+    """The engine-side sampler (exponential-race draw after temperature / top-k / top-p /
+    min-p) samples the same distribution as processed_probs, row by row."""
+    from ddtree_sglang.sampling import sample_rows
+
+    g = torch.Generator().manual_seed(1)
+    vocab, rows = 6, 30000
+    base = torch.randn(3, vocab, generator=g) * 1.5
+    logits = base.repeat_interleave(rows, 0)
+    t = torch.tensor([0.7, 1.0, 1.3]).repeat_interleave(rows)
+    k = torch.tensor([3, 6, 6]).repeat_interleave(rows)
+    p = torch.tensor([1.0, 0.8, 1.0]).repeat_interleave(rows)
+    m = torch.tensor([0.0, 0.0, 0.2]).repeat_interleave(rows)
+    out = sample_rows(logits, t, k, p, m, generator=g).view(3, rows)
+    for r in range(3):
+        ref = processed_probs(base[r][None, None], t[r * rows: r * rows + 1],
+                              p[r * rows: r * rows + 1], k[r * rows: r * rows + 1])[0, 0]
+        if r == 2:  # min-p: drop tokens below 0.2 x the top probability, renormalise
+            ref = ref * (ref >= 0.2 * ref.max())
+            ref = ref / ref.sum()
+        emp = torch.bincount(out[r], minlength=vocab).float() / rows
+        assert torch.allclose(emp, ref, atol=0.012), (r, emp, ref)

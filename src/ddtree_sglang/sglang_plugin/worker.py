@@ -27,6 +27,7 @@ from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 from ddtree_sglang.kernels.tree_build import supported as tree_kernel_supported
 from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.server_args import env_setting
+from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.tree import build_draft_tree
 
 from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
@@ -50,22 +51,21 @@ logger = logging.getLogger(__name__)
 
 def sample_per_node(logits: torch.Tensor, sampling_info, n: int) -> torch.Tensor:
     """[bs * n] the target's choice at every node: argmax, or one draw from the processed
-    distribution (temperature, top-k, top-p, min-p), Gumbel-style, with no host sync."""
+    distribution (ddtree_sglang.sampling.sample_rows with sgl_kernel's renorm kernels)."""
     if sampling_info is None or sampling_info.is_all_greedy:
         return logits.argmax(dim=-1)
     from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob
 
-    temps = torch.repeat_interleave(sampling_info.temperatures, n, dim=0)
-    probs = torch.softmax(logits.float() / temps, dim=-1)
-    if sampling_info.need_top_k_sampling:
-        probs = top_k_renorm_prob(probs, torch.repeat_interleave(sampling_info.top_ks, n, dim=0))
-    if sampling_info.need_top_p_sampling:
-        probs = top_p_renorm_prob(probs, torch.repeat_interleave(sampling_info.top_ps, n, dim=0))
-    if sampling_info.need_min_p_sampling:
-        min_p = torch.repeat_interleave(sampling_info.min_ps, n, dim=0).unsqueeze(1)
-        probs = probs * (probs >= min_p * probs.max(dim=-1, keepdim=True).values)
-    # argmax(p / E) with E ~ Exp(1) is an exact draw from p (normalisation not needed).
-    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    def per_node(x):
+        return torch.repeat_interleave(x, n, dim=0)
+
+    si = sampling_info
+    return sample_rows(
+        logits, per_node(si.temperatures),
+        per_node(si.top_ks) if si.need_top_k_sampling else None,
+        per_node(si.top_ps) if si.need_top_p_sampling else None,
+        per_node(si.min_ps) if si.need_min_p_sampling else None,
+        top_k_renorm=top_k_renorm_prob, top_p_renorm=top_p_renorm_prob)
 
 
 class DDTreeWorker(DFlashWorkerV2):
