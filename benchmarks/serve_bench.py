@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from ddtree_sglang.bench import client, compare, cost_mode, report  # noqa: E402
 from ddtree_sglang.bench.config import DATASETS, Arm, BenchConfig, load_config  # noqa: E402
 from ddtree_sglang.bench.server import Server, ServerSpec  # noqa: E402
+from ddtree_sglang.cli import positive_int_list  # noqa: E402
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 
 
@@ -192,17 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="configs/*.yaml")
     ap.add_argument("--out", type=Path, required=True, help="results folder")
-    ap.add_argument("--concurrency", help="override, e.g. 1,4,16")
-    ap.add_argument("--gpus", help="override the replica GPUs, e.g. 0,1,2,3")
+    ap.add_argument("--concurrency", type=positive_int_list, help="override, e.g. 1,4,16")
+    ap.add_argument("--gpus", type=positive_int_list, help="override the replica GPUs, e.g. 0,1,2,3")
     ap.add_argument("--arms", help="only these arm names, e.g. no-spec,ddtree-b32")
     ap.add_argument("--report-only", action="store_true", help="re-render results.json")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     updates = {}
     if args.concurrency:
-        updates["concurrency"] = [int(x) for x in args.concurrency.split(",")]
+        updates["concurrency"] = args.concurrency
     if args.gpus:
-        updates["gpus"] = [int(x) for x in args.gpus.split(",")]
+        updates["gpus"] = args.gpus
     keep = args.arms.split(",") if args.arms else None
     if keep:
         names = [a.name for a in (cost_arms(cfg) if cfg.cost_mode.enabled else cfg.arms)]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ddtree_sglang.acceptance import accept_tree
+from ddtree_sglang.cli import positive_int_list
 from ddtree_sglang.layout import build_verify_layout, full_mask
 from ddtree_sglang.tree import build_draft_tree
 
@@ -122,8 +123,8 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--budgets", default="16,32,64,128,256,512")
+    ap.add_argument("--batches", type=positive_int_list, default=[1, 8, 32, 64])
+    ap.add_argument("--budgets", type=positive_int_list, default=[16, 32, 64, 128, 256, 512])
     ap.add_argument("--depth", type=int, default=15, help="draft depth L = block_size - 1")
     ap.add_argument("--vocab", type=int, default=151936, help="Qwen3 vocabulary by default")
     ap.add_argument("--ctx", type=int, default=1024, help="committed length per request")
@@ -134,15 +135,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tree_build.py needs a CUDA GPU")
     rows = []
-    for batch in map(int, args.batches.split(",")):
-        for budget in map(int, args.budgets.split(",")):
+    for batch in args.batches:
+        for budget in args.budgets:
             row = bench_case(batch, budget, args.depth, args.vocab, args.ctx, args.iters,
                              args.heap_reps)
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = dict(date=str(date.today()), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, command="python benchmarks/tree_build.py " +
-                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"))
+                " ".join(f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
+                         for k, v in vars(args).items() if k != "out"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",

@@ -1,6 +1,6 @@
 """Measure the testbed pair's acceptance (tau, bonus included) with the reference loop.
 
-    python scripts/eval_testbed.py --testbed testbed --out testbed/acceptance.json
+    python scripts/eval_testbed.py --testbed testbed --out benchmarks/results/testbed_acceptance.json
 
 For temperature 0 and 1: the DFlash chain and DDTree at several budgets, on the held-out prompts.
 Greedy runs are also checked against autoregressive greedy output (lossless).
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ddtree_sglang.cli import positive_int_list  # noqa: E402
 from ddtree_sglang.reference.testbed import load_testbed  # noqa: E402
 from ddtree_sglang.sampling import SamplingParams  # noqa: E402
 
@@ -25,8 +26,8 @@ from ddtree_sglang.sampling import SamplingParams  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--testbed", type=Path, default=Path("testbed"))
-    ap.add_argument("--out", type=Path, default=Path("testbed/acceptance.json"))
-    ap.add_argument("--budgets", default="8,16,32,64,128")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/testbed_acceptance.json"))
+    ap.add_argument("--budgets", type=positive_int_list, default=[8, 16, 32, 64, 128])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -37,7 +38,7 @@ def main() -> None:
     spec = tb.speculator
     results, mismatches = [], 0
     ar_out = [spec.generate(p, args.max_new_tokens, mode="ar").tokens for p in encoded]
-    arms = [("chain", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
+    arms = [("chain", 0)] + [("ddtree", b) for b in args.budgets]
     for temp in (0.0, 1.0):
         sp = SamplingParams(temperature=temp)
         for mode, budget in arms:
@@ -60,7 +61,8 @@ def main() -> None:
                                                 else "cpu"),
                 prompts=len(encoded), max_new_tokens=args.max_new_tokens,
                 greedy_mismatches_vs_ar=mismatches,
-                command=f"python scripts/eval_testbed.py --testbed {args.testbed} --budgets {args.budgets} "
+                command=f"python scripts/eval_testbed.py --testbed {args.testbed} "
+                        f"--budgets {','.join(map(str, args.budgets))} "
                         f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=results), indent=1))

@@ -143,3 +143,17 @@ def test_cost_mode_arm_filter_is_checked(tmp_path):
     names = [a.name for a in serve_bench.cost_arms(load_config(cfg))]
     assert names == ["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64",
                      "ddtree-b128", "ddtree-b256"]
+
+
+def test_comma_list_arguments():
+    import argparse
+
+    from ddtree_sglang.cli import positive_int_list
+
+    assert positive_int_list("1,4,16") == [1, 4, 16]
+    for bad in ("", "1,x", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
+            positive_int_list(bad)
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--config", str(ROOT / "configs" / "h200_testbed.yaml"),
+                          "--out", "/tmp/x", "--concurrency", "4,four"])

@@ -59,14 +59,11 @@ def target_choice(logits: torch.Tensor, params: list[SamplingParams],
     if bool(greedy.all()):
         return choice
 
-    def per_node(values, dtype=torch.float32):
-        return torch.tensor(values, device=device, dtype=dtype).repeat_interleave(n)
-
-    temperature = per_node([p.temperature if not p.greedy else 1.0 for p in params])
-    top_k = per_node([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
-    top_p = per_node([p.top_p for p in params])
-    sampled = sample_rows(logits.reshape(bs * n, vocab), temperature, top_k.clamp(max=vocab),
-                          top_p, None, generator=generator).view(bs, n)
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.long)
+    probs = processed_probs(logits, temperature, top_p, top_k)
+    sampled = draw(probs.view(bs * n, vocab), generator).view(bs, n)
     return torch.where(greedy.view(bs, 1), choice, sampled)
 
 
@@ -98,7 +95,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """[rows] one draw per row of [rows, V] logits from the processed distribution
     (temperature, then top-k, top-p, min-p; None skips a filter).  The renorm functions are
-    pluggable so an engine can pass its fused kernels (same contract: probs, per-row value)."""
+    pluggable so an engine can pass its fused kernels (probs, per-row value); whether they
+    renormalise does not matter, as every later step is invariant to a row's scale."""
     probs = torch.softmax(logits.float() / temperature.view(-1, 1), dim=-1)
     if top_k is not None:
         probs = top_k_renorm(probs, top_k)
