@@ -21,14 +21,14 @@ import random
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from ddtree_sglang.bench import client, compare, cost_mode, report  # noqa: E402
 from ddtree_sglang.bench.config import DATASETS, Arm, BenchConfig, load_config  # noqa: E402
-from ddtree_sglang.bench.server import Server, ServerSpec  # noqa: E402
+from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm  # noqa: E402
 from ddtree_sglang.cli import positive_int_list  # noqa: E402
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 
@@ -62,19 +62,40 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         mem_fraction_static=cfg.mem_fraction_static, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
         max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
+        max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
         extra_args=list(extra), launcher_module=cfg.launcher_module)
 
 
-def start_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:
-    """One server per entry of cfg.gpus, launched together; all are stopped when `stack` closes."""
+def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:
+    """One server per entry of cfg.gpus, launched (not awaited); all stop when `stack` closes."""
     servers = [Server(spec, out / "logs" / f"{spec.name}_r{i}_gpu{g}.log", gpu=str(g))
                for i, g in enumerate(cfg.gpus)]
     for s in servers:
         s.launch()
         stack.callback(s.stop)
-    for s in servers:
-        s.wait_healthy(cfg.startup_timeout_s)
     return servers
+
+
+def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
+    """Yield (arm, servers, error) in order, the servers healthy or None with the error.
+
+    `cfg.startup_group` arms are launched together, so their kernel compilation and graph
+    capture overlap; each arm is then measured alone and its servers stop before the next.
+    """
+    g = cfg.startup_group
+    for i in range(0, len(arms), g):
+        with ExitStack() as stack:
+            group = [(arm, launch_replicas(stack, cfg, spec_of(arm), out)) for arm in arms[i:i + g]]
+            for arm, servers in group:
+                try:
+                    for s in servers:
+                        s.wait_healthy(cfg.startup_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the other arms still run
+                    yield arm, None, f"{type(exc).__name__}: {str(exc)[-800:]}"
+                else:
+                    yield arm, servers, None
+                for s in servers:
+                    s.stop()
 
 
 def requests_for(cfg: BenchConfig, conc: int) -> int:
@@ -82,7 +103,8 @@ def requests_for(cfg: BenchConfig, conc: int) -> int:
     return per * len(cfg.gpus)
 
 
-def run_throughput(cfg: BenchConfig, out: Path, command: str) -> dict:
+def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict:
+    """Every arm, every concurrency level; `save(results)` is called after each arm."""
     from tqdm import tqdm
 
     prompts = load_prompts(cfg)
@@ -91,12 +113,13 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str) -> dict:
     ref = next((a for a in cfg.arms if a.algorithm is None), None)
     order = [a for a in cfg.arms if a is not ref] + ([ref] if ref else [])
     rows, outputs, failures, correctness = [], {}, {}, {}
-    for arm in order:
-        with ExitStack() as stack:
-            try:
-                servers = start_replicas(stack, cfg, server_spec(cfg, arm, model, drafter), out)
-            except Exception as exc:  # noqa: BLE001 - the other arms still run
-                failures[arm.name] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+    results = dict(meta=_meta(cfg, command, ref.name if ref else None), rows=rows,
+                   correctness=correctness, failures=failures)
+    arms = started_arms(cfg, order, lambda a: server_spec(cfg, a, model, drafter), out)
+    with closing(arms):
+        for arm, servers, error in arms:
+            if error:
+                failures[arm.name] = error
                 continue
             urls = [s.url for s in servers]
             client.run_level(urls, prompts, params, 2, 2 * len(urls))  # warm-up (JIT, graphs)
@@ -118,8 +141,9 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str) -> dict:
                     if other != ref.name:
                         correctness[other] = compare.compare_to_reference(
                             prompts, outs, greedy, urls[0])
-    return dict(meta=_meta(cfg, command, ref.name if ref else None), rows=rows,
-                correctness=correctness, failures=failures)
+            if save:
+                save(results)
+    return results
 
 
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
@@ -127,22 +151,24 @@ def cost_arms(cfg: BenchConfig) -> list[Arm]:
         Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets]
 
 
-def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None) -> dict:
+def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None,
+                  save=None) -> dict:
     cm = cfg.cost_mode
     target, drafter = cost_mode.write_random_models(cm.workdir)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 150000) for _ in range(cm.prompt_len)] for _ in range(64)]
     params = dict(temperature=0.0, max_new_tokens=cm.new_tokens, ignore_eos=True)
-    arms = [a for a in cost_arms(cfg) if only is None or a.name in only]
+    order = [a for a in cost_arms(cfg) if only is None or a.name in only]
     rows, failures = [], {}
-    for arm in arms:
-        spec = server_spec(cfg, arm, str(target), str(drafter), extra=["--skip-tokenizer-init"])
-        with ExitStack() as stack:
-            try:
-                servers = start_replicas(stack, cfg.model_copy(update=dict(gpus=cfg.gpus[:1])),
-                                         spec, out)
-            except Exception as exc:  # noqa: BLE001
-                failures[arm.name] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+    results = dict(meta=_meta(cfg, command, "no-spec"), cost_rows=[], failures=failures)
+    one_gpu = cfg.model_copy(update=dict(gpus=cfg.gpus[:1]))
+    spec_of = lambda a: server_spec(cfg, a, str(target), str(drafter),  # noqa: E731
+                                    extra=["--skip-tokenizer-init"])
+    arms = started_arms(one_gpu, order, spec_of, out)
+    with closing(arms):
+        for arm, servers, error in arms:
+            if error:
+                failures[arm.name] = error
                 continue
             url = [servers[0].url]
             client.run_level(url, prompts, params, 2, 2)
@@ -153,8 +179,11 @@ def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | N
                            errors=sum(r.error is not None for r in res))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    return dict(meta=_meta(cfg, command, "no-spec"), cost_rows=cost_mode.projection(rows),
-                failures=failures)
+            results["cost_rows"] = cost_mode.projection(rows)
+            if save:
+                save(results)
+    results["cost_rows"] = cost_mode.projection(rows)
+    return results
 
 
 def cost_markdown(results: dict) -> str:
@@ -169,6 +198,14 @@ def cost_markdown(results: dict) -> str:
         lines.append(f"| {r['arm']} | {r['batch_size']} | {r['step_ms']} | "
                      f"{r.get('break_even_tau', '')} | {r.get('projected_speedup', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> str:
+    """results.json and results.md (also after each arm, so a cut-short run keeps its data)."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = cost_markdown(results) if "cost_rows" in results else report.markdown(results)
+    (out / "results.md").write_text(md)
+    return md
 
 
 def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
@@ -214,16 +251,15 @@ def main(argv: list[str] | None = None) -> int:
             updates["arms"] = [a for a in cfg.arms if a.name in keep]
     cfg = BenchConfig(**{**cfg.model_dump(), **updates})
     args.out.mkdir(parents=True, exist_ok=True)
+    stop_servers_on_sigterm()
     command = "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
     elif cfg.cost_mode.enabled:
-        results = run_cost_mode(cfg, args.out, command, keep)
+        results = run_cost_mode(cfg, args.out, command, keep, save=lambda r: write(r, args.out))
     else:
-        results = run_throughput(cfg, args.out, command)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    md = cost_markdown(results) if "cost_rows" in results else report.markdown(results)
-    (args.out / "results.md").write_text(md)
+        results = run_throughput(cfg, args.out, command, save=lambda r: write(r, args.out))
+    md = write(results, args.out)
     if "rows" in results:
         report.plots(results, args.out)
     print(md)

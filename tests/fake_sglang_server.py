@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--port", type=int)
     ap.add_argument("--speculative-algorithm")
     args, _ = ap.parse_known_args()
+    print("argv:", " ".join(os.sys.argv[1:]), flush=True)  # the tests read the log
     spec = args.speculative_algorithm
     if spec and os.environ.get("FAKE_FAIL_ALGO") == spec:
         raise SystemExit(f"fake server: refusing {spec} (FAKE_FAIL_ALGO)")

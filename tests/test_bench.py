@@ -57,6 +57,20 @@ def test_two_replicas_end_to_end(tmp_path, fake_env):
     assert len(logs) == 6  # 3 arms x 2 replicas, all stopped (no process left behind)
 
 
+def test_grouped_startup_measures_every_arm(tmp_path, fake_env):
+    """Arms started together (fixed KV pool, sleep on idle) give the same rows as one by one."""
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, gpus=[0], startup_group=2, max_total_tokens=65536)
+    assert serve_bench.main(["--config", str(cfg), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [r["arm"] for r in res["rows"]] == ["dflash"] * 2 + ["ddtree-b32"] * 2 + ["no-spec"] * 2
+    assert all(r["errors"] == 0 for r in res["rows"])
+    assert res["correctness"]["dflash"]["identical"] == 6
+    for log in (out / "logs").glob("*.log"):
+        argv = log.read_text().splitlines()[0]
+        assert "--max-total-tokens 65536" in argv and "--sleep-on-idle" in argv
+
+
 def test_divergence_is_reported_with_tie_check(tmp_path, fake_env, monkeypatch):
     monkeypatch.setenv("FAKE_DIVERGE", "1")
     out = tmp_path / "res"
@@ -92,6 +106,8 @@ def test_config_errors_are_clear(tmp_path):
         BenchConfig(name="x", arms=[{"name": "a"}, {"name": "a"}])
     with pytest.raises(ValueError, match="must be a .jsonl path or one of"):
         BenchConfig(name="x", arms=[{"name": "a"}], prompts={"source": "nope"})
+    with pytest.raises(ValueError, match="startup_group > 1 needs max_total_tokens"):
+        BenchConfig(name="x", arms=[{"name": "a"}], startup_group=2)
     with pytest.raises(FileNotFoundError, match="configs/"):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(SystemExit):

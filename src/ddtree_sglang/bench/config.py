@@ -72,6 +72,10 @@ class BenchConfig(BaseModel):
     prompts: Prompts = Prompts()
     max_new_tokens: int = Field(128, ge=2)
     temperature: float = Field(0.0, ge=0)
+    max_total_tokens: Optional[int] = Field(None, ge=1024, description="fixed KV pool size (tokens)")
+    startup_group: int = Field(1, ge=1, description="arms whose servers start together (one "
+                               "wait for JIT and graph capture instead of one per arm); they are "
+                               "still measured one at a time; > 1 needs max_total_tokens")
     requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
     startup_timeout_s: float = 900
     launcher_module: str = Field("sglang.launch_server",
@@ -92,6 +96,9 @@ class BenchConfig(BaseModel):
             raise ValueError(f"arm names must be unique; got {names}")
         if not self.arms:
             raise ValueError("at least one arm is needed")
+        if self.startup_group > 1 and not self.max_total_tokens:
+            raise ValueError("startup_group > 1 needs max_total_tokens (a fixed KV pool per server, "
+                             "so servers starting together on one GPU do not starve), e.g. 262144")
         return self
 
 

@@ -38,6 +38,10 @@ class ServerSpec:
     disable_overlap_schedule: bool = False
     page_size: int = 1
     max_running_requests: int | None = None
+    # A fixed KV pool size lets several servers share one GPU (SGLang sizes the pool from the
+    # memory free at its own start, so servers starting together would otherwise starve).
+    max_total_tokens: int | None = None
+    sleep_on_idle: bool = False  # idle servers beside a measured one must not spin a CPU core
     extra_args: list[str] = field(default_factory=list)
     launcher_module: str = "sglang.launch_server"  # tests substitute a stand-in server
 
@@ -60,6 +64,10 @@ class ServerSpec:
             args += ["--disable-overlap-schedule"]
         if self.max_running_requests:
             args += ["--max-running-requests", str(self.max_running_requests)]
+        if self.max_total_tokens:
+            args += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.sleep_on_idle:
+            args += ["--sleep-on-idle"]
         return args + self.extra_args
 
 
@@ -134,6 +142,12 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_servers_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from `timeout`) into SystemExit, so the `finally`/ExitStack blocks that
+    stop the servers run: they live in their own process sessions and would outlive us."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def post_json(url: str, payload: dict, timeout: float = 600.0) -> dict:
