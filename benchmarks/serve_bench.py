@@ -86,14 +86,17 @@ def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
     for i in range(0, len(arms), g):
         with ExitStack() as stack:
             group = [(arm, launch_replicas(stack, cfg, spec_of(arm), out)) for arm in arms[i:i + g]]
-            for arm, servers in group:
+            errors = {}
+            for arm, servers in group:  # all healthy before any is measured: no capture beside it
                 try:
                     for s in servers:
                         s.wait_healthy(cfg.startup_timeout_s)
                 except Exception as exc:  # noqa: BLE001 - the other arms still run
-                    yield arm, None, f"{type(exc).__name__}: {str(exc)[-800:]}"
-                else:
-                    yield arm, servers, None
+                    errors[arm.name] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+                    for s in servers:
+                        s.stop()
+            for arm, servers in group:
+                yield (arm, None, errors[arm.name]) if arm.name in errors else (arm, servers, None)
                 for s in servers:
                     s.stop()
 
@@ -186,24 +189,28 @@ def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | N
     return results
 
 
-def cost_markdown(results: dict) -> str:
-    m = results["meta"]
-    lines = [f"# Cost mode (PROJECTION): Qwen3-8B shapes, random weights, {m['device']}, {m['date']}",
-             "", f"Command: `{m['command']}`  ", "Step time is measured in the real server; "
-             "acceptance is not (random weights). Projected speedup = published tau x plain step / "
-             "arm step, with tau from the DDTree paper (Qwen3-8B, T=0, mean of 10 sets: DFlash "
-             "6.00, DDTree 8.71 at its best budget). Break-even tau = arm step / plain step.", "",
-             "| arm | batch | step ms | break-even tau | projected speedup |", "|---|---|---|---|---|"]
-    for r in results["cost_rows"]:
-        lines.append(f"| {r['arm']} | {r['batch_size']} | {r['step_ms']} | "
-                     f"{r.get('break_even_tau', '')} | {r.get('projected_speedup', '')} |")
-    return "\n".join(lines) + "\n"
+def merge_results(a: dict, b: dict) -> dict:
+    """`a` plus the arms of `b` (arms measured in both keep `a`'s rows); the projection is
+    recomputed over all cost rows."""
+    key = "cost_rows" if "cost_rows" in a else "rows"
+    have = {r["arm"] for r in a[key]}
+    rows = a[key] + [r for r in b.get(key, []) if r["arm"] not in have]
+    out = dict(a, **{key: cost_mode.projection(rows) if key == "cost_rows" else rows})
+    measured = {r["arm"] for r in rows}
+    out["failures"] = {k: v for k, v in {**b.get("failures", {}), **a.get("failures", {})}.items()
+                       if k not in measured}
+    if "correctness" in a:
+        out["correctness"] = {**b.get("correctness", {}), **a["correctness"]}
+    out["meta"] = dict(a["meta"], merged_from=[*a["meta"].get("merged_from", []),
+                                               dict(command=b["meta"]["command"],
+                                                    commit=b["meta"].get("commit"))])
+    return out
 
 
 def write(results: dict, out: Path) -> str:
     """results.json and results.md (also after each arm, so a cut-short run keeps its data)."""
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    md = cost_markdown(results) if "cost_rows" in results else report.markdown(results)
+    md = cost_mode.markdown(results) if "cost_rows" in results else report.markdown(results)
     (out / "results.md").write_text(md)
     return md
 
@@ -216,7 +223,7 @@ def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
     except ImportError:
         device = "unknown"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
@@ -234,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=positive_int_list, help="override the replica GPUs, e.g. 0,1,2,3")
     ap.add_argument("--arms", help="only these arm names, e.g. no-spec,ddtree-b32")
     ap.add_argument("--report-only", action="store_true", help="re-render results.json")
+    ap.add_argument("--merge-from", type=Path, action="append", default=[], metavar="DIR",
+                    help="with --report-only: add the arms of DIR/results.json (runs split over "
+                         "several calls, e.g. with --arms) before rendering")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     updates = {}
@@ -253,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
     command = "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.merge_from and not args.report_only:
+        ap.error("--merge-from needs --report-only")
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
+        for d in args.merge_from:
+            results = merge_results(results, json.loads((d / "results.json").read_text()))
     elif cfg.cost_mode.enabled:
         results = run_cost_mode(cfg, args.out, command, keep, save=lambda r: write(r, args.out))
     else:
