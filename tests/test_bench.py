@@ -130,6 +130,38 @@ def test_cost_projection():
     assert out[1]["break_even_tau"] == 2.0 and out[1]["projected_speedup"] == round(8.71 / 2, 2)
 
 
+def _cost_results(rows, command="run"):
+    meta = dict(device="GPU", date="d", command=command, commit="c")
+    return dict(meta=meta, cost_rows=rows, failures={})
+
+
+def test_cost_runs_merge_and_report_needed_gain(tmp_path):
+    """A cost run split over two calls merges into one table; DDTREE's needed gain over the
+    chain is its step over DFLASH's at the same batch."""
+    def row(arm, algo, budget, bs, ms):
+        return dict(arm=arm, algorithm=algo, budget=budget, batch_size=bs, step_ms=ms, errors=0)
+    first = _cost_results([row("no-spec", None, None, 1, 5.0), row("dflash", "DFLASH", None, 1, 8.0)])
+    second = _cost_results([row("ddtree-b32", "DDTREE", 32, 1, 10.0)], command="run --arms ddtree-b32")
+    second["failures"] = {"ddtree-b64": "boom"}
+    for i, r in enumerate((first, second)):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "results.json").write_text(json.dumps(r))
+    cfg = ROOT / "configs" / "h200_cost_qwen3_8b.yaml"
+    assert serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"), "--report-only",
+                             "--merge-from", str(tmp_path / "1")]) == 1  # a failure is reported
+    merged = json.loads((tmp_path / "0" / "results.json").read_text())
+    tree = next(r for r in merged["cost_rows"] if r["arm"] == "ddtree-b32")
+    assert tree["break_even_tau"] == 2.0 and merged["failures"] == {"ddtree-b64": "boom"}
+    assert merged["meta"]["merged_from"][0]["command"] == "run --arms ddtree-b32"
+    md = (tmp_path / "0" / "results.md").read_text()
+    assert "| 1 | 5.0 | 8.0 | 10.0 |" in md  # step-time pivot: batch, no-spec, dflash, ddtree
+    assert "| 1 | 1.25 |" in md  # needed gain 10 / 8
+    assert "PROJECTED" in md and "ddtree-b64: boom" in md
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"),
+                          "--merge-from", str(tmp_path / "1")])
+
+
 def test_cost_mode_checkpoints_load_strictly(tmp_path):
     """The random-weight writer produces the names transformers and the DFlash loader expect
     (checked at a tiny size with the 8B configs' structure)."""
