@@ -5,8 +5,9 @@
 
 Every arm runs with the same settings (attention backend, CUDA graphs, page size, overlap,
 memory fraction) as one single-GPU server per entry of `gpus` (CUDA_VISIBLE_DEVICES), requests
-spread round-robin.  For each concurrency level (per replica) it records output tokens/s,
-TPOT p50/p90, TTFT p50 and the accept length; at temperature 0 it compares every arm's outputs
+spread round-robin, through the OpenAI endpoint (`endpoint: openai`, the default) or SGLang's
+/generate (`endpoint: native`).  For each concurrency level (per replica) it records output
+tokens/s, TPOT p50/p90, TTFT p50 and the accept length; at temperature 0 it compares every arm's outputs
 with the no-speculation arm (run last, so its server can score divergences).  Writes
 results.json, results.md and PNG plots to --out.  Servers are stopped on success, failure and
 Ctrl-C.  With `cost_mode.enabled` it instead measures per-step cost on random Qwen3-8B-shaped
@@ -125,14 +126,19 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
                 failures[arm.name] = error
                 continue
             urls = [s.url for s in servers]
-            client.run_level(urls, prompts, params, 2, 2 * len(urls))  # warm-up (JIT, graphs)
+            client.run_level(urls, prompts, params, 2, 2 * len(urls),  # warm-up (JIT, graphs)
+                             endpoint=cfg.endpoint)
             greedy = {}
             for conc in cfg.concurrency:
                 n = requests_for(cfg, conc)
                 with tqdm(total=n, desc=f"{arm.name} c={conc}", leave=False) as bar:
-                    res, wall = client.run_level(urls, prompts, params, conc, n, bar)
+                    res, wall = client.run_level(urls, prompts, params, conc, n, bar,
+                                                 endpoint=cfg.endpoint)
                 row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget,
                            concurrency=conc, **client.summarize(res, wall))
+                if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
+                    acc = [a for a in map(client.server_accept_length, urls) if a is not None]
+                    row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 for r in res:

@@ -48,6 +48,9 @@ def main():
                 self._json({})
             elif self.path == "/get_load":
                 self._json([{"num_tokens": 0}])
+            elif self.path.startswith("/v1/loads"):
+                spec_metrics = {"accept_length": 2.5, "accept_rate": 0.5}  # != per-request 2.0 if spec else None
+                self._json({"loads": [{"dp_rank": 0, "speculative": spec_metrics}]})
             else:
                 self._json({"error": "no"}, 404)
 
@@ -55,6 +58,8 @@ def main():
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             if self.path == "/flush_cache":
                 return self._json({})
+            if self.path == "/v1/completions":
+                return self._completions(req)
             p = req["input_ids"]
             sp = req.get("sampling_params", {})
             out = continuation(p, sp.get("max_new_tokens", 8))
@@ -75,6 +80,20 @@ def main():
             self.end_headers()
             for k in range(1, len(out) + 1):
                 chunk = {"output_ids": out[:k], "meta_info": meta}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def _completions(self, req):
+            """OpenAI completions, streamed, with token ids (SGLang's return_token_ids)."""
+            out = continuation(req["prompt"], req.get("max_tokens", 16))
+            if diverge and len(out) > 3:
+                out[3] = (out[3] + 1) % 1000
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for tok in out:
+                chunk = {"choices": [{"index": 0, "text": "t", "token_ids": [tok]}]}
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")

@@ -48,7 +48,7 @@ def test_two_replicas_end_to_end(tmp_path, fake_env):
         assert r["tpot_p50_ms"] is not None and r["ttft_p50_ms"] is not None
     assert rows[-1]["arm"] == "no-spec"  # the reference runs last
     spec_row = next(r for r in rows if r["arm"] == "ddtree-b32")
-    assert spec_row["accept_length"] == 2.0
+    assert spec_row["accept_length"] == 2.5  # OpenAI endpoint: the server's running mean
     assert res["correctness"]["ddtree-b32"]["identical"] == 6
     md = (out / "results.md").read_text()
     assert "ddtree-b32" in md and "identical" in md
@@ -60,11 +60,13 @@ def test_two_replicas_end_to_end(tmp_path, fake_env):
 def test_grouped_startup_measures_every_arm(tmp_path, fake_env):
     """Arms started together (fixed KV pool, sleep on idle) give the same rows as one by one."""
     out = tmp_path / "res"
-    cfg = write_config(tmp_path, gpus=[0], startup_group=2, max_total_tokens=65536)
+    cfg = write_config(tmp_path, gpus=[0], startup_group=2, max_total_tokens=65536,
+                       endpoint="native")
     assert serve_bench.main(["--config", str(cfg), "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert [r["arm"] for r in res["rows"]] == ["dflash"] * 2 + ["ddtree-b32"] * 2 + ["no-spec"] * 2
     assert all(r["errors"] == 0 for r in res["rows"])
+    assert res["rows"][0]["accept_length"] == 2.0  # native /generate: per-request meta_info
     assert res["correctness"]["dflash"]["identical"] == 6
     for log in (out / "logs").glob("*.log"):
         argv = log.read_text().splitlines()[0]

@@ -1,7 +1,8 @@
-"""Drive SGLang's /generate endpoint: streamed requests, a fixed number in flight per replica.
+"""Drive a server through the OpenAI endpoint (/v1/completions) or SGLang's native /generate:
+streamed requests, a fixed number in flight per replica.
 
 Each request records TTFT (first streamed token), TPOT ((end - first token) / (tokens - 1)),
-its output ids and the server's per-request accept length.  Requests are spread round-robin
+its output ids and, through /generate, the server's per-request accept length and verify count.  Requests are spread round-robin
 over the replicas; `concurrency` is per replica.
 """
 
@@ -31,13 +32,10 @@ class RequestResult:
         return (self.latency - self.ttft) / (n - 1) if n > 1 else None
 
 
-def stream_generate(url: str, input_ids: list[int], params: dict, timeout: float = 600.0):
-    """POST /generate with stream=True; returns (output_ids, ttft, latency, meta_info)."""
-    body = json.dumps({"input_ids": input_ids, "sampling_params": params, "stream": True})
-    req = urllib.request.Request(url + "/generate", data=body.encode(),
+def _post_stream(url: str, body: dict, timeout: float):
+    """POST a streaming request; yields each server-sent JSON chunk until [DONE]."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, last = None, {}
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -45,28 +43,73 @@ def stream_generate(url: str, input_ids: list[int], params: dict, timeout: float
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                break
+                return
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(str(chunk["error"])[:500])
-            if ttft is None and chunk.get("output_ids"):
-                ttft = time.perf_counter() - t0
-            last = chunk
+            yield chunk
+
+
+def stream_generate(url: str, input_ids: list[int], params: dict, timeout: float = 600.0):
+    """SGLang's native POST /generate, streamed; returns (output_ids, ttft, latency, meta_info)
+    with the per-request accept length and verify count in meta_info."""
+    body = {"input_ids": input_ids, "sampling_params": params, "stream": True}
+    t0 = time.perf_counter()
+    ttft, last = None, {}
+    for chunk in _post_stream(url + "/generate", body, timeout):
+        if ttft is None and chunk.get("output_ids"):
+            ttft = time.perf_counter() - t0
+        last = chunk
     latency = time.perf_counter() - t0
     return last.get("output_ids", []), ttft or latency, latency, last.get("meta_info", {})
 
 
+def stream_completion(url: str, input_ids: list[int], params: dict, timeout: float = 600.0):
+    """The OpenAI endpoint POST /v1/completions, streamed, with the prompt and the output as
+    token ids (SGLang's `return_token_ids`); returns (output_ids, ttft, latency, {})."""
+    body = {"model": "default", "prompt": input_ids, "stream": True, "return_token_ids": True,
+            "max_tokens": params["max_new_tokens"],
+            **{k: v for k, v in params.items() if k != "max_new_tokens"}}
+    t0 = time.perf_counter()
+    ttft, ids = None, []
+    for chunk in _post_stream(url + "/v1/completions", body, timeout):
+        for choice in chunk.get("choices") or []:
+            new = choice.get("token_ids") or []
+            if new and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids.extend(new)
+    latency = time.perf_counter() - t0
+    return ids, ttft or latency, latency, {}
+
+
+ENDPOINTS = {"openai": stream_completion, "native": stream_generate}
+
+
+def server_accept_length(url: str) -> float | None:
+    """The server's running mean accept length since it started (GET /v1/loads); the OpenAI
+    endpoint does not report it per request."""
+    try:
+        with urllib.request.urlopen(url + "/v1/loads?include=spec", timeout=30) as r:
+            loads = json.loads(r.read()).get("loads") or []
+    except (OSError, ValueError):
+        return None
+    vals = [ld["speculative"]["accept_length"] for ld in loads if ld.get("speculative")]
+    return round(sum(vals) / len(vals), 3) if vals else None
+
+
 def run_level(urls: list[str], prompts: list[list[int]], params: dict, concurrency: int,
-              num_requests: int, progress=None) -> tuple[list[RequestResult], float]:
-    """Send `num_requests` requests with `concurrency` in flight per replica; returns the
-    results and the wall time."""
+              num_requests: int, progress=None, endpoint: str = "native"
+              ) -> tuple[list[RequestResult], float]:
+    """Send `num_requests` requests with `concurrency` in flight per replica through `endpoint`
+    ("openai" or "native"); returns the results and the wall time."""
+    send = ENDPOINTS[endpoint]
     jobs = [(i % len(urls), i % len(prompts)) for i in range(num_requests)]
 
     def one(job):
         replica, p = job
         res = RequestResult(replica=replica, prompt_index=p)
         try:
-            ids, ttft, lat, meta = stream_generate(urls[replica], prompts[p], params)
+            ids, ttft, lat, meta = send(urls[replica], prompts[p], params)
             res.output_ids, res.ttft, res.latency = ids, ttft, lat
             res.accept_length = meta.get("spec_accept_length")
             res.verify_ct = meta.get("spec_verify_ct")

@@ -60,6 +60,9 @@ class BenchConfig(BaseModel):
     name: str
     model_path: str = "testbed/target"
     draft_model_path: str = "testbed/drafter"
+    endpoint: Literal["openai", "native"] = Field(
+        "openai", description="openai: /v1/completions (what users call; accept length from the "
+        "server's running mean); native: SGLang's /generate (per-request accept length)")
     dtype: Literal["float16", "bfloat16"] = "float16"
     attention_backend: Literal["triton", "flashinfer"] = "triton"
     mem_fraction_static: float = Field(0.3, gt=0, lt=1)

@@ -10,7 +10,8 @@ def markdown(results: dict) -> str:
     lines = [f"# {meta['name']}: {meta['device']}, {meta['date']}", "",
              f"Command: `{meta['command']}`  ", f"Commit: `{meta.get('commit', '?')}`; "
              f"replicas: {meta['replicas']}; max_new_tokens {meta['max_new_tokens']}; "
-             f"temperature {meta['temperature']}", "",
+             f"temperature {meta['temperature']}; endpoint "
+             f"{(meta.get('config') or {}).get('endpoint', 'native')}", "",
              "| arm | conc/replica | output tok/s | vs no-spec | TPOT p50 ms | TPOT p90 ms | "
              "TTFT p50 ms | accept len | errors |", "|---|---|---|---|---|---|---|---|---|"]
     base = {row["concurrency"]: row["output_tok_s"] for row in results["rows"]
