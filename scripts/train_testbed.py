@@ -12,8 +12,16 @@ output already exists in --work (so a second call resumes):
                 tapped hidden states of positions < a, predict x_{a+1..a+15}
   5. export     testbed/ layout (target/, drafter/, prompts.jsonl) + fp16 weights
 
-    python scripts/train_testbed.py --work /tmp/testbed_work --out testbed \
-        --target-seconds 200 --drafter-seconds 200
+Recipes (one H200 call each):
+
+    # v1, the shipped pair (chain tau 1.53 at T = 0):
+    python scripts/train_testbed.py --corpus stdlib --gen-seqs 4096 --real-seqs 4096 \
+        --taps 1,2 --target-seconds 160 --drafter-seconds 140
+    # v2 (tried, chain tau 1.31): --corpus all --gen-seqs 4096, 150 s + 150 s
+    # v3 (next): a target that generalises (--corpus all) and 8x more drafter data in larger
+    # batches, the last target layer tapped; watch the logged held-out drafter accuracy
+    python scripts/train_testbed.py --corpus all --gen-seqs 32768 --gen-batch 2048 \
+        --drafter-batch 128 --taps 1,3 --target-seconds 150 --drafter-seconds 240
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ddtree_sglang.cli import positive_int_list  # noqa: E402
 from ddtree_sglang.dflash_config import DFlashConfig  # noqa: E402
 from ddtree_sglang.reference.drafter import DFlashDrafter  # noqa: E402
 
@@ -51,19 +60,28 @@ def log(*a) -> None:
 
 
 # -- corpus -----------------------------------------------------------------------------------
-def corpus_files(max_bytes: int = 60_000_000) -> tuple[list[Path], list[Path]]:
-    """Python sources on the machine: the standard library (tests included) and the
-    installed packages, up to max_bytes, in a fixed order.  A file whose name hashes into
-    bucket 0 of 16 is held out (never trained on) and supplies the evaluation prompts."""
+def corpus_files(kind: str = "all", max_bytes: int = 60_000_000) -> tuple[list[Path], list[Path]]:
+    """Python sources on the machine, in a fixed order: `stdlib` - the standard library without
+    its tests and site-packages (testbed v1, ~2.8 M tokens); `all` - the standard library with
+    tests and the installed packages, up to max_bytes (~18 M tokens).  A file whose name hashes
+    into bucket 0 of 16 is held out (never trained on) and supplies the evaluation prompts."""
     paths = sysconfig.get_paths()
-    roots = [Path(paths["stdlib"]), Path(paths["purelib"]), Path(paths["platlib"])]
+    if kind == "stdlib":
+        roots = [Path(paths["stdlib"])]
+        skip = lambda p: bool({"site-packages", "test", "tests"} & set(p.parts))  # noqa: E731
+    else:
+        roots = [Path(paths["stdlib"]), Path(paths["purelib"]), Path(paths["platlib"])]
+        skip = lambda p: False  # noqa: E731
     seen, files, total = set(), [], 0
     for root in roots:
         for p in sorted(root.rglob("*.py")):
-            if p in seen or not (500 < p.stat().st_size < 300_000):
+            if p in seen or skip(p) or not (500 < p.stat().st_size < 300_000):
                 continue
             seen.add(p)
             files.append(p)
+    if kind == "stdlib":  # v1 kept every file, sorted
+        held = [p for p in files if int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 16 == 0]
+        return [p for p in files if p not in set(held)], held
     random.Random(0).shuffle(files)
     picked = []
     for p in files:
@@ -172,13 +190,16 @@ def eval_loss(model, tokens: torch.Tensor, dev) -> float:
 
 # -- drafter data and training ----------------------------------------------------------------
 @torch.no_grad()
-def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, new: int, dev):
-    gen = torch.Generator().manual_seed(2)
+def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, new: int, dev,
+                         batch: int = 256, seed: int = 2):
+    """n sequences: a corpus window of prompt_len tokens and the target's own continuation
+    (greedy; one batch in four at T = 1)."""
+    gen = torch.Generator().manual_seed(seed)
     seqs = []
-    for i in range(0, n, 256):
-        starts = torch.randint(0, tokens.numel() - prompt_len - 1, (min(256, n),), generator=gen)
+    for i in range(0, n, batch):
+        starts = torch.randint(0, tokens.numel() - prompt_len - 1, (min(batch, n - i),), generator=gen)
         prompts = torch.stack([tokens[s:s + prompt_len] for s in starts.tolist()]).to(dev)
-        sample = i % 1024 == 768  # one batch in four sampled at T = 1, the rest greedy
+        sample = (i // batch) % 4 == 3  # one batch in four sampled at T = 1, the rest greedy
         kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
         out = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                              eos_token_id=None, **kw)
@@ -213,7 +234,26 @@ def drafter_batch(model, x: torch.Tensor, blocks: int, gen: torch.Generator, mas
     return feats, emb, positions, mask, labels
 
 
-def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_id: int) -> None:
+@torch.no_grad()
+def drafter_accuracy(model, drafter, seqs: torch.Tensor, dev, mask_id: int) -> list[float]:
+    """Top-1 accuracy per block position (1..15) on `seqs` (e.g. held-out continuations): the
+    gap to the training accuracy shows whether the drafter memorises its data."""
+    drafter.eval()
+    gen = torch.Generator().manual_seed(11)
+    hits = torch.zeros(BLOCK - 1)
+    for i in range(0, seqs.shape[0], 32):
+        feats, emb, positions, mask, labels = drafter_batch(model, seqs[i:i + 32].to(dev), 8, gen, mask_id)
+        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+            h = drafter(feats, emb, positions, mask)
+            h = h.view(h.shape[0], -1, BLOCK, HIDDEN)[:, :, 1:]
+            pred = model.get_output_embeddings()(h).argmax(-1)
+        hits += (pred == labels).float().sum(dim=(0, 1)).cpu()
+    drafter.train()
+    return (hits / (seqs.shape[0] * 8)).tolist()
+
+
+def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_id: int,
+                  batch: int = 32, held: torch.Tensor | None = None) -> None:
     drafter.to(dev).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=DEV_TYPE == "cuda")
@@ -224,7 +264,7 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
     while (el := time.time() - t0) < seconds:
         for grp in opt.param_groups:
             grp["lr"] = lr_at(el, seconds, 2e-3)
-        idx = torch.randint(0, seqs.shape[0], (32,), generator=gen)
+        idx = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
         x = seqs[idx].to(dev)
         feats, emb, positions, mask, labels = drafter_batch(model, x, 16, gen, mask_id)
         with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
@@ -240,6 +280,9 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
             acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
             log(f"drafter step {step} loss {loss.item():.3f} top1@1 {acc[0]:.2f} "
                 f"@4 {acc[3]:.2f} @8 {acc[7]:.2f} ({el:.0f}s)")
+        if held is not None and step % 2000 == 0:
+            h = drafter_accuracy(model, drafter, held, dev, mask_id)
+            log(f"drafter held-out top1@1 {h[0]:.2f} @4 {h[3]:.2f} @8 {h[7]:.2f}")
     drafter.eval()
 
 
@@ -269,17 +312,30 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("testbed"))
     ap.add_argument("--target-seconds", type=float, default=200)
     ap.add_argument("--drafter-seconds", type=float, default=200)
-    ap.add_argument("--gen-seqs", type=int, default=4096)
+    ap.add_argument("--corpus", choices=["stdlib", "all"], default="all",
+                    help="stdlib: v1's corpus (2.8 M tokens); all: + installed packages (~18 M)")
+    ap.add_argument("--gen-seqs", type=int, default=4096, help="target continuations for the drafter")
+    ap.add_argument("--gen-batch", type=int, default=256, help="continuations generated per batch")
+    ap.add_argument("--real-seqs", type=int, default=0,
+                    help="corpus windows added to the drafter data (v1: as many as --gen-seqs)")
+    ap.add_argument("--drafter-batch", type=int, default=32)
+    ap.add_argument("--held-seqs", type=int, default=128,
+                    help="continuations of held-out files for the drafter's held-out accuracy")
+    ap.add_argument("--taps", type=positive_int_list, default=[1, 2],
+                    help="target layers feeding the drafter, e.g. 1,3")
     ap.add_argument("--max-files", type=int, default=0, help="limit the corpus (smoke tests)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    global DEV_TYPE
+    global DEV_TYPE, TAPS
+    TAPS = tuple(args.taps)
+    if max(TAPS) >= LAYERS:
+        ap.error(f"--taps must name target layers 0..{LAYERS - 1}; got {args.taps}")
     dev = torch.device(args.device)
     DEV_TYPE = dev.type
     torch.backends.cuda.matmul.allow_tf32 = True
     args.work.mkdir(parents=True, exist_ok=True)
     tdir, ddir = args.out / "target", args.out / "drafter"
-    train_files, held = corpus_files()
+    train_files, held = corpus_files(args.corpus)
     if args.max_files:
         train_files, held = train_files[: args.max_files], held[: max(8, args.max_files // 8)]
     log(f"corpus: {len(train_files)} train files, {len(held)} held out")
@@ -325,10 +381,16 @@ def main() -> None:
     if data.exists():
         seqs = torch.load(data)
     else:
-        gen_seqs = target_continuations(model, tokens, args.gen_seqs, 64, SEQ - 64, dev)
-        seqs = gen_seqs[:, :SEQ]  # the target's own continuations: what acceptance measures
+        seqs = target_continuations(model, tokens, args.gen_seqs, 64, SEQ - 64, dev,
+                                    args.gen_batch)[:, :SEQ]  # what acceptance measures
+        if args.real_seqs:
+            gen = torch.Generator().manual_seed(5)
+            starts = torch.randint(0, tokens.numel() - SEQ, (args.real_seqs,), generator=gen)
+            seqs = torch.cat([seqs, torch.stack([tokens[s:s + SEQ] for s in starts.tolist()])])
         torch.save(seqs, data)
     log(f"drafter data: {tuple(seqs.shape)}")
+    held_seqs = target_continuations(model, held_tokens, args.held_seqs, 64, SEQ - 64, dev,
+                                     args.gen_batch, seed=9)
 
     dckpt = args.work / "drafter"
     dcfg = DFlashConfig(hidden_size=HIDDEN, num_hidden_layers=DRAFT_LAYERS, num_attention_heads=4,
@@ -343,8 +405,11 @@ def main() -> None:
         with torch.no_grad():  # start the final norm like the target's
             drafter.norm.weight.copy_(model.model.norm.weight)
         log(f"drafter params: {sum(p.numel() for p in drafter.parameters()):,}")
-        train_drafter(model, drafter, seqs, args.drafter_seconds, dev, mask_id)
+        train_drafter(model, drafter, seqs, args.drafter_seconds, dev, mask_id,
+                      args.drafter_batch, held_seqs)
         drafter.save_pretrained(dckpt, dtype=torch.float32)
+    acc = drafter_accuracy(model, drafter, held_seqs, dev, mask_id)
+    log("drafter held-out top-1 accuracy by position: " + " ".join(f"{a:.2f}" for a in acc))
 
     # export fp16, Hugging Face layout
     model.to(torch.float16).save_pretrained(tdir)
