@@ -16,7 +16,8 @@ mkdir -p "$OUT"
 pkill -f sglang.launch_server 2>/dev/null || true   # nothing left from an earlier call
 pack() { [ -d "$1/logs" ] && tar czf "$1/logs.tgz" -C "$1" logs && rm -rf "$1/logs"; }
 case "${1:-}" in
-  tree)  python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" --iters 100 --heap-reps 3 ;;
+  tree)  timeout "$LIMIT" python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
+             --batches 1,8,32,64 --budgets 16,32,64 --iters 100 --heap-reps 2 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" \
              --arms ddtree_triton,ddtree_flashinfer,ddtree_nooverlap,dflash_triton,plain_triton
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
