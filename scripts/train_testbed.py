@@ -14,7 +14,8 @@ output already exists in --work (so a second call resumes):
 
 Recipes (one H200 call each):
 
-    # v1, the shipped pair (chain tau 1.53 at T = 0):
+    # close to v1, the shipped pair (chain tau 1.53 at T = 0; v1 also trained the tokenizer on
+    # every text, not a third, and sampled every other continuation batch at T = 1):
     python scripts/train_testbed.py --corpus stdlib --gen-seqs 4096 --real-seqs 4096 \
         --taps 1,2 --target-seconds 160 --drafter-seconds 140
     # v2 (tried, chain tau 1.31): --corpus all --gen-seqs 4096, 150 s + 150 s
