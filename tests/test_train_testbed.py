@@ -34,3 +34,14 @@ def test_bad_taps_are_refused(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_testbed.py"), "--taps", "1,9",
                         "--work", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--taps must name target layers 0..3" in r.stderr
+
+
+def test_drafter_accuracy_script(tmp_path):
+    out = tmp_path / "acc.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "drafter_accuracy.py"), "--testbed",
+                        str(ROOT / "testbed"), "--seqs", "4", "--files", "8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for side in ("train_files", "held_out_files"):
+        assert len(res[side]) == 15 and all(0.0 <= a <= 1.0 for a in res[side])
