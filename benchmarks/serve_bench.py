@@ -271,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.merge_from and not args.report_only:
         ap.error("--merge-from needs --report-only")
+    missing = [str(d / "results.json") for d in [args.out, *args.merge_from]
+               if args.report_only and not (d / "results.json").is_file()]
+    if missing:
+        ap.error(f"--report-only reads results.json from --out and each --merge-from folder; "
+                 f"missing: {', '.join(missing)}")
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
         for d in args.merge_from:

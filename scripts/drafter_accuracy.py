@@ -18,17 +18,12 @@ import torch
 import train_testbed as tt  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
-def corpus_tokens(tok, files: list[Path], max_files: int) -> torch.Tensor:
-    texts = [p.read_text(errors="ignore") for p in files[:max_files]]
-    return torch.tensor([i for ids in tok(texts, add_special_tokens=False)["input_ids"] for i in ids])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--testbed", type=Path, default=Path("testbed"))
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="stdlib")
-    ap.add_argument("--seqs", type=int, default=128, help="continuations per side")
-    ap.add_argument("--files", type=int, default=200, help="files per side to cut prompts from")
+    ap.add_argument("--seqs", type=tt.positive_int, default=128, help="continuations per side")
+    ap.add_argument("--files", type=tt.positive_int, default=200, help="files per side to cut prompts from")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -49,7 +44,7 @@ def main() -> None:
                command="python scripts/drafter_accuracy.py " + " ".join(
                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None))
     for side, files in (("train_files", train_files), ("held_out_files", held_files)):
-        tokens = corpus_tokens(tok, files, args.files)
+        tokens = tt.encode_files(tok, files[: args.files])
         seqs = tt.target_continuations(model, tokens, args.seqs, 64, tt.SEQ - 64, args.device,
                                        batch=64, seed=9)
         acc = tt.drafter_accuracy(model, drafter, seqs, args.device, mask_id)

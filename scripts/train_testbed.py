@@ -80,19 +80,25 @@ def corpus_files(kind: str = "all", max_bytes: int = 60_000_000) -> tuple[list[P
                 continue
             seen.add(p)
             files.append(p)
-    if kind == "stdlib":  # v1 kept every file, sorted
-        held = [p for p in files if int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 16 == 0]
-        return [p for p in files if p not in set(held)], held
-    random.Random(0).shuffle(files)
-    picked = []
-    for p in files:
-        if total > max_bytes:
-            break
-        picked.append(p)
-        total += p.stat().st_size
+    picked = files  # stdlib (v1): every file, sorted
+    if kind != "stdlib":
+        random.Random(0).shuffle(files)
+        picked = []
+        for p in files:
+            if total > max_bytes:
+                break
+            picked.append(p)
+            total += p.stat().st_size
     held = [p for p in picked if int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 16 == 0]
     held_set = set(held)
     return [p for p in picked if p not in held_set], held
+
+
+def encode_files(tok, files: list[Path]) -> torch.Tensor:
+    """The files' token ids, concatenated (no separators): prompt material for continuations."""
+    texts = [p.read_text(errors="ignore") for p in files]
+    return torch.tensor([i for ids in tok(texts, add_special_tokens=False)["input_ids"] for i in ids],
+                        dtype=torch.long)
 
 
 def chat_sample(rel: str, text: str, rng: random.Random) -> str:
@@ -307,6 +313,12 @@ def write_prompts(held: list[Path], out: Path, n_plain: int = 24, n_chat: int = 
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/testbed_work"))
@@ -315,12 +327,12 @@ def main() -> None:
     ap.add_argument("--drafter-seconds", type=float, default=200)
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="all",
                     help="stdlib: v1's corpus (2.8 M tokens); all: + installed packages (~18 M)")
-    ap.add_argument("--gen-seqs", type=int, default=4096, help="target continuations for the drafter")
-    ap.add_argument("--gen-batch", type=int, default=256, help="continuations generated per batch")
+    ap.add_argument("--gen-seqs", type=positive_int, default=4096, help="target continuations for the drafter")
+    ap.add_argument("--gen-batch", type=positive_int, default=256, help="continuations generated per batch")
     ap.add_argument("--real-seqs", type=int, default=0,
                     help="corpus windows added to the drafter data (v1: as many as --gen-seqs)")
-    ap.add_argument("--drafter-batch", type=int, default=32)
-    ap.add_argument("--held-seqs", type=int, default=128,
+    ap.add_argument("--drafter-batch", type=positive_int, default=32)
+    ap.add_argument("--held-seqs", type=positive_int, default=128,
                     help="continuations of held-out files for the drafter's held-out accuracy")
     ap.add_argument("--taps", type=positive_int_list, default=[1, 2],
                     help="target layers feeding the drafter, e.g. 1,3")
@@ -329,6 +341,8 @@ def main() -> None:
     args = ap.parse_args()
     global DEV_TYPE, TAPS
     TAPS = tuple(args.taps)
+    if args.real_seqs < 0:
+        ap.error(f"--real-seqs must be >= 0; got {args.real_seqs}")
     if max(TAPS) >= LAYERS:
         ap.error(f"--taps must name target layers 0..{LAYERS - 1}; got {args.taps}")
     dev = torch.device(args.device)
@@ -362,9 +376,7 @@ def main() -> None:
         eot = tok.convert_tokens_to_ids("<|endoftext|>")
         tokens = torch.tensor([i for ids in enc for i in ids + [eot]], dtype=torch.long)
         torch.save(tokens, tok_cache)
-    held_tokens = torch.tensor([i for ids in tok([p.read_text(errors="ignore") for p in held],
-                                                 add_special_tokens=False)["input_ids"]
-                                for i in ids], dtype=torch.long)
+    held_tokens = encode_files(tok, held)
     log(f"tokens: train {tokens.numel():,} held-out {held_tokens.numel():,}")
 
     from transformers import Qwen3ForCausalLM

@@ -162,6 +162,9 @@ def test_cost_runs_merge_and_report_needed_gain(tmp_path):
     with pytest.raises(SystemExit):
         serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"),
                           "--merge-from", str(tmp_path / "1")])
+    with pytest.raises(SystemExit):  # a folder without results.json: a clear argparse error
+        serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"), "--report-only",
+                          "--merge-from", str(tmp_path / "nothing")])
 
 
 def test_cost_mode_checkpoints_load_strictly(tmp_path):

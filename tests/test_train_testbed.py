@@ -30,10 +30,16 @@ def test_train_testbed_smoke(tmp_path):
     assert pair.speculator.generate(prompt, 12, mode="ddtree", budget=8).tokens == ar.tokens
 
 
-def test_bad_taps_are_refused(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_testbed.py"), "--taps", "1,9",
-                        "--work", str(tmp_path)], capture_output=True, text=True, timeout=300)
+def test_bad_flags_are_refused(tmp_path):
+    def run(*flags):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_testbed.py"), *flags,
+                               "--work", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = run("--taps", "1,9")
     assert r.returncode == 2 and "--taps must name target layers 0..3" in r.stderr
+    r = run("--gen-batch", "0")
+    assert r.returncode == 2 and "expected a positive integer; got '0'" in r.stderr
+    r = run("--real-seqs", "-1")
+    assert r.returncode == 2 and "--real-seqs must be >= 0" in r.stderr
 
 
 def test_drafter_accuracy_script(tmp_path):

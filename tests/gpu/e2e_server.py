@@ -197,8 +197,7 @@ def main() -> None:
     results = []
     try:
         for server in servers:
-            r = check_arm(server, t_launch, prompts, args.max_new_tokens)
-            server.stop()
+            r = check_arm(server, t_launch, prompts, args.max_new_tokens)  # stops the server
             score(model, prompts, r, args.tie_tol)
             results.append(r)
             print(json.dumps(summarize(r)), flush=True)
