@@ -19,10 +19,9 @@ Recipes (one H200 call each):
     python scripts/train_testbed.py --corpus stdlib --gen-seqs 4096 --real-seqs 4096 \
         --taps 1,2 --target-seconds 160 --drafter-seconds 140
     # v2 (tried, chain tau 1.31): --corpus all --gen-seqs 4096, 150 s + 150 s
-    # v3 (next): a target that generalises (--corpus all) and 8x more drafter data in larger
-    # batches, the last target layer tapped; watch the logged held-out drafter accuracy
-    python scripts/train_testbed.py --corpus all --gen-seqs 32768 --gen-batch 2048 \
-        --drafter-batch 128 --taps 1,3 --target-seconds 150 --drafter-seconds 240
+    # v3 (next): a target that generalises (--corpus all) and 4x more drafter data in larger
+    # batches; watch the logged held-out drafter accuracy.  The last target layer cannot be
+    # tapped (SGLang captures layer k at layer k + 1's input), so taps stay <= layers - 2.
 """
 
 from __future__ import annotations
@@ -179,6 +178,7 @@ def train_target(model, tokens: torch.Tensor, seconds: float, dev) -> None:
         step += 1
         if step % 200 == 0:
             log(f"target step {step} loss {loss.item():.3f} ({el:.0f}s)")
+    log(f"target: {step} steps of 64 x {SEQ} tokens")
     model.eval()
 
 
@@ -211,6 +211,7 @@ def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, n
         out = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                              eos_token_id=None, **kw)
         seqs.append(out.cpu())
+        log(f"continuations {i + len(starts)}/{n}")
     return torch.cat(seqs)
 
 
@@ -287,9 +288,10 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
             acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
             log(f"drafter step {step} loss {loss.item():.3f} top1@1 {acc[0]:.2f} "
                 f"@4 {acc[3]:.2f} @8 {acc[7]:.2f} ({el:.0f}s)")
-        if held is not None and step % 2000 == 0:
+        if held is not None and step % 1000 == 0:
             h = drafter_accuracy(model, drafter, held, dev, mask_id)
             log(f"drafter held-out top1@1 {h[0]:.2f} @4 {h[3]:.2f} @8 {h[7]:.2f}")
+    log(f"drafter: {step} steps of {batch} sequences x 16 blocks")
     drafter.eval()
 
 
@@ -320,6 +322,7 @@ def positive_int(text: str) -> int:
 
 
 def main() -> None:
+    global DEV_TYPE, TAPS, LAYERS, DRAFT_LAYERS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/testbed_work"))
     ap.add_argument("--out", type=Path, default=Path("testbed"))
@@ -336,15 +339,23 @@ def main() -> None:
                     help="continuations of held-out files for the drafter's held-out accuracy")
     ap.add_argument("--taps", type=positive_int_list, default=[1, 2],
                     help="target layers feeding the drafter, e.g. 1,3")
+    ap.add_argument("--target-layers", type=positive_int, default=LAYERS,
+                    help=f"target decoder layers (v1-v3: {LAYERS})")
+    ap.add_argument("--draft-layers", type=positive_int, default=DRAFT_LAYERS,
+                    help=f"drafter decoder layers (v1-v3: {DRAFT_LAYERS})")
+    ap.add_argument("--finish-by", type=float, default=0,
+                    help="Unix time by which the run must have exported: the drafter stage is "
+                         "shortened to fit (for device calls with a hard limit)")
+    ap.add_argument("--tokenize-only", action="store_true",
+                    help="stop after the tokenizer and the token cache (to share them between runs)")
     ap.add_argument("--max-files", type=int, default=0, help="limit the corpus (smoke tests)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    global DEV_TYPE, TAPS
-    TAPS = tuple(args.taps)
+    TAPS, LAYERS, DRAFT_LAYERS = tuple(args.taps), args.target_layers, args.draft_layers
     if args.real_seqs < 0:
         ap.error(f"--real-seqs must be >= 0; got {args.real_seqs}")
-    if max(TAPS) >= LAYERS:
-        ap.error(f"--taps must name target layers 0..{LAYERS - 1}; got {args.taps}")
+    if max(TAPS) > LAYERS - 2:  # SGLang captures layer k at layer k + 1's input: never the last
+        ap.error(f"--taps must name target layers 0..{LAYERS - 2} (not the last); got {args.taps}")
     dev = torch.device(args.device)
     DEV_TYPE = dev.type
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -378,6 +389,8 @@ def main() -> None:
         torch.save(tokens, tok_cache)
     held_tokens = encode_files(tok, held)
     log(f"tokens: train {tokens.numel():,} held-out {held_tokens.numel():,}")
+    if args.tokenize_only:
+        return
 
     from transformers import Qwen3ForCausalLM
     ckpt = args.work / "target"
@@ -418,7 +431,11 @@ def main() -> None:
         with torch.no_grad():  # start the final norm like the target's
             drafter.norm.weight.copy_(model.model.norm.weight)
         log(f"drafter params: {sum(p.numel() for p in drafter.parameters()):,}")
-        train_drafter(model, drafter, seqs, args.drafter_seconds, dev, mask_id,
+        seconds = args.drafter_seconds
+        if args.finish_by:  # leave ~45 s for the held-out check and the export
+            seconds = max(10.0, min(seconds, args.finish_by - time.time() - 45))
+            log(f"drafter stage: {seconds:.0f} s (--drafter-seconds {args.drafter_seconds:.0f})")
+        train_drafter(model, drafter, seqs, seconds, dev, mask_id,
                       args.drafter_batch, held_seqs)
         drafter.save_pretrained(dckpt, dtype=torch.float32)
     acc = drafter_accuracy(model, drafter, held_seqs, dev, mask_id)

@@ -15,13 +15,14 @@ def test_train_testbed_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "train_testbed.py"), "--work", str(work),
            "--out", str(out), "--device", "cpu", "--max-files", "24", "--corpus", "stdlib",
            "--target-seconds", "2", "--drafter-seconds", "2", "--gen-seqs", "8",
-           "--gen-batch", "8", "--held-seqs", "4", "--real-seqs", "4", "--taps", "1,3",
-           "--drafter-batch", "4"]
+           "--gen-batch", "8", "--held-seqs", "4", "--real-seqs", "4", "--taps", "0,1",
+           "--target-layers", "3", "--draft-layers", "2", "--drafter-batch", "4"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "drafter held-out top-1 accuracy by position" in first.stdout
     cfg = json.loads((out / "drafter" / "config.json").read_text())
-    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1] and cfg["num_hidden_layers"] == 2
+    assert json.loads((out / "target" / "config.json").read_text())["num_hidden_layers"] == 3
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumes
     assert again.returncode == 0 and "target params" not in again.stdout
     pair = load_testbed(out)
@@ -35,7 +36,11 @@ def test_bad_flags_are_refused(tmp_path):
         return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_testbed.py"), *flags,
                                "--work", str(tmp_path)], capture_output=True, text=True, timeout=300)
     r = run("--taps", "1,9")
-    assert r.returncode == 2 and "--taps must name target layers 0..3" in r.stderr
+    assert r.returncode == 2 and "--taps must name target layers 0..2 (not the last)" in r.stderr
+    r = run("--taps", "1,3", "--target-layers", "3")
+    assert r.returncode == 2 and "--taps must name target layers 0..1 (not the last)" in r.stderr
+    r = run("--draft-layers", "0")
+    assert r.returncode == 2 and "expected a positive integer; got '0'" in r.stderr
     r = run("--gen-batch", "0")
     assert r.returncode == 2 and "expected a positive integer; got '0'" in r.stderr
     r = run("--real-seqs", "-1")

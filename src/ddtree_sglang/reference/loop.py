@@ -54,9 +54,10 @@ class ReferenceSpeculator:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         n_layers = target.config.num_hidden_layers
-        bad = [i for i in self.cfg.target_layer_ids if i >= n_layers]
-        if bad:
-            raise ValueError(f"drafter taps target layers {bad}, target has {n_layers} layers")
+        bad = [i for i in self.cfg.target_layer_ids if not 0 <= i <= n_layers - 2]
+        if bad:  # HF's last hidden state is after the final norm; SGLang never captures it
+            raise ValueError(f"drafter taps target layers {bad} of a {n_layers}-layer target; "
+                             f"accepted: 0..{n_layers - 2} (the last layer cannot be tapped)")
 
     @property
     def device(self) -> torch.device:

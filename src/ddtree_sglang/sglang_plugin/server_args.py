@@ -142,6 +142,22 @@ def hybrid_reason(hf: dict) -> str | None:
     return None
 
 
+def tap_error(taps: tuple[int, ...], hf: dict) -> str | None:
+    """Why the drafter's target_layer_ids cannot be served on this target, or None.  SGLang
+    captures layer k's output at the input of layer k + 1, so the last layer is never captured
+    (the drafter would get too few features) - the same limit the reference loop applies."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return None
+    bad = [t for t in taps if not 0 <= t <= layers - 2]
+    if not bad:
+        return None
+    return (f"drafter dflash_config.target_layer_ids {list(taps)} names layers {bad} of a "
+            f"{layers}-layer target; accepted: 0..{layers - 2} (SGLang cannot capture the "
+            "last layer's output)")
+
+
 def validate(args: Any) -> None:
     """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
     errors: list[str] = []
@@ -152,6 +168,9 @@ def validate(args: Any) -> None:
         cfg = drafter_config(args)
         block = block_size_from_args(args, cfg)
         check_budget(budget_from_args(args), block)
+        taps = tap_error(cfg.target_layer_ids, _target_hf_config(args))
+        if taps:
+            errors.append(taps)
     except DDTreeConfigError as exc:
         errors.append(str(exc))
     errors += _backend_errors(args)
