@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import sys
 import sysconfig
 import time
@@ -198,15 +199,15 @@ def eval_loss(model, tokens: torch.Tensor, dev) -> float:
 # -- drafter data and training ----------------------------------------------------------------
 @torch.no_grad()
 def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, new: int, dev,
-                         batch: int = 256, seed: int = 2):
+                         batch: int = 256, seed: int = 2, sampled_every: int = 4):
     """n sequences: a corpus window of prompt_len tokens and the target's own continuation
-    (greedy; one batch in four at T = 1)."""
+    (greedy; one batch in `sampled_every` at T = 1, none if 0)."""
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(0, n, batch):
         starts = torch.randint(0, tokens.numel() - prompt_len - 1, (min(batch, n - i),), generator=gen)
         prompts = torch.stack([tokens[s:s + prompt_len] for s in starts.tolist()]).to(dev)
-        sample = (i // batch) % 4 == 3  # one batch in four sampled at T = 1, the rest greedy
+        sample = sampled_every > 0 and (i // batch) % sampled_every == sampled_every - 1
         kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
         out = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                              eos_token_id=None, **kw)
@@ -215,18 +216,21 @@ def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, n
     return torch.cat(seqs)
 
 
-def tapped_features(model, x: torch.Tensor) -> torch.Tensor:
+def tapped_features(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's context features (tapped layers, concatenated) and the target's logits."""
     out = model(input_ids=x, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in TAPS], -1)
+    return torch.cat([out.hidden_states[i + 1] for i in TAPS], -1), out.logits
 
 
-def drafter_batch(model, x: torch.Tensor, blocks: int, gen: torch.Generator, mask_id: int):
-    """Features, block embeddings, positions, mask and labels for `blocks` anchors per row."""
+def drafter_batch(model, x: torch.Tensor, blocks: int, gen: torch.Generator, mask_id: int,
+                  anchor_min: int = 1, soft: bool = False):
+    """Features, block embeddings, positions, mask and labels for `blocks` anchors per row
+    (anchors at anchor_min..t-17); with `soft`, also the target's logits for each label."""
     b, t = x.shape
     dev = x.device
     with torch.no_grad(), torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
-        feats = tapped_features(model, x)
-    anchors = torch.stack([torch.randperm(t - BLOCK - 1, generator=gen)[:blocks] + 1
+        feats, tlogits = tapped_features(model, x)
+    anchors = torch.stack([torch.randperm(t - BLOCK - anchor_min, generator=gen)[:blocks] + anchor_min
                            for _ in range(b)]).to(dev)  # [b, nb], a >= 1 so context is non-empty
     offs = torch.arange(BLOCK, device=dev)
     pos = anchors[..., None] + offs  # [b, nb, BLOCK]
@@ -239,7 +243,11 @@ def drafter_batch(model, x: torch.Tensor, blocks: int, gen: torch.Generator, mas
     ctx_ok = torch.arange(t, device=dev)[None, None, :] < anchors.repeat_interleave(BLOCK, 1)[..., None]
     own = q_block[:, None] == q_block[None, :]
     mask = torch.cat([ctx_ok, own.expand(b, -1, -1)], dim=2)
-    return feats, emb, positions, mask, labels
+    soft_logits = None
+    if soft:  # the target's logits at a..a+14 predict the labels at a+1..a+15
+        idx = pos[..., :-1].reshape(b, -1, 1).expand(-1, -1, tlogits.shape[-1])
+        soft_logits = tlogits.gather(1, idx).view(b, blocks, BLOCK - 1, -1)
+    return feats, emb, positions, mask, labels, soft_logits
 
 
 @torch.no_grad()
@@ -250,7 +258,8 @@ def drafter_accuracy(model, drafter, seqs: torch.Tensor, dev, mask_id: int) -> l
     gen = torch.Generator().manual_seed(11)
     hits = torch.zeros(BLOCK - 1)
     for i in range(0, seqs.shape[0], 32):
-        feats, emb, positions, mask, labels = drafter_batch(model, seqs[i:i + 32].to(dev), 8, gen, mask_id)
+        feats, emb, positions, mask, labels, _ = drafter_batch(model, seqs[i:i + 32].to(dev), 8, gen,
+                                                               mask_id)
         with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
             h = drafter(feats, emb, positions, mask)
             h = h.view(h.shape[0], -1, BLOCK, HIDDEN)[:, :, 1:]
@@ -261,9 +270,12 @@ def drafter_accuracy(model, drafter, seqs: torch.Tensor, dev, mask_id: int) -> l
 
 
 def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_id: int,
-                  batch: int = 32, held: torch.Tensor | None = None) -> None:
+                  batch: int = 32, held: torch.Tensor | None = None, lr: float = 2e-3,
+                  anchor_min: int = 1, soft_weight: float = 0.0) -> None:
+    """DFlash objective, position-decayed; with soft_weight > 0 the hard-label cross-entropy is
+    mixed with cross-entropy against the target's own distribution (distillation)."""
     drafter.to(dev).train()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01,
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=DEV_TYPE == "cuda")
     head = model.get_output_embeddings()
     gen = torch.Generator().manual_seed(3)
@@ -271,16 +283,20 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
     t0, step = time.time(), 0
     while (el := time.time() - t0) < seconds:
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(el, seconds, 2e-3)
+            grp["lr"] = lr_at(el, seconds, lr)
         idx = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
         x = seqs[idx].to(dev)
-        feats, emb, positions, mask, labels = drafter_batch(model, x, 16, gen, mask_id)
+        feats, emb, positions, mask, labels, soft = drafter_batch(
+            model, x, 16, gen, mask_id, anchor_min, soft_weight > 0)
         with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
             h = drafter(feats, emb, positions, mask)
             b = h.shape[0]
             h = h.view(b, -1, BLOCK, HIDDEN)[:, :, 1:]
             logits = head(h).float()
         ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
+        if soft is not None:
+            soft_ce = -(soft.float().softmax(-1) * logits.log_softmax(-1)).sum(-1).view(-1)
+            ce = (1 - soft_weight) * ce + soft_weight * soft_ce
         loss = (ce.view(b, -1, BLOCK - 1) * weights).sum(-1).mean() / weights.sum()
         optimizer_step(opt, loss, drafter)
         step += 1
@@ -343,6 +359,16 @@ def main() -> None:
                     help=f"target decoder layers (v1-v3: {LAYERS})")
     ap.add_argument("--draft-layers", type=positive_int, default=DRAFT_LAYERS,
                     help=f"drafter decoder layers (v1-v3: {DRAFT_LAYERS})")
+    ap.add_argument("--sampled-every", type=int, default=4,
+                    help="one continuation batch in N is sampled at T = 1, the rest greedy (0: none)")
+    ap.add_argument("--anchor-min", type=positive_int, default=1,
+                    help="first anchor position for drafter training (64: continuation only)")
+    ap.add_argument("--soft-weight", type=float, default=0.0,
+                    help="share of the drafter loss taken against the target's distribution (0..1)")
+    ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--init-from", type=Path,
+                    help="an exported testbed: keep its tokenizer and target, start the drafter "
+                         "from its weights (its layer counts and taps replace the flags)")
     ap.add_argument("--finish-by", type=float, default=0,
                     help="Unix time by which the run must have exported: the drafter stage is "
                          "shortened to fit (for device calls with a hard limit)")
@@ -352,8 +378,23 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     TAPS, LAYERS, DRAFT_LAYERS = tuple(args.taps), args.target_layers, args.draft_layers
+    if args.init_from:
+        try:
+            tcfg = json.loads((args.init_from / "target" / "config.json").read_text())
+            dcfg_raw = json.loads((args.init_from / "drafter" / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            ap.error(f"--init-from {args.init_from} is not an exported testbed: {exc}")
+        LAYERS, DRAFT_LAYERS = tcfg["num_hidden_layers"], dcfg_raw["num_hidden_layers"]
+        TAPS = tuple(dcfg_raw["dflash_config"]["target_layer_ids"])
     if args.real_seqs < 0:
         ap.error(f"--real-seqs must be >= 0; got {args.real_seqs}")
+    if args.sampled_every < 0:
+        ap.error(f"--sampled-every must be >= 0; got {args.sampled_every}")
+    if not 0.0 <= args.soft_weight <= 1.0:
+        ap.error(f"--soft-weight must be in 0..1; got {args.soft_weight}")
+    if args.anchor_min + BLOCK + 16 > SEQ:
+        ap.error(f"--anchor-min must leave room for 16 blocks: at most {SEQ - BLOCK - 16}; "
+                 f"got {args.anchor_min}")
     if max(TAPS) > LAYERS - 2:  # SGLang captures layer k at layer k + 1's input: never the last
         ap.error(f"--taps must name target layers 0..{LAYERS - 2} (not the last); got {args.taps}")
     dev = torch.device(args.device)
@@ -373,6 +414,8 @@ def main() -> None:
         texts.append(t)
         if rng.random() < 0.25:
             texts.append(chat_sample(p.name, t, rng))
+    if args.init_from and not (tdir / "tokenizer.json").exists():
+        shutil.copytree(args.init_from / "target", tdir, dirs_exist_ok=True)
     if (tdir / "tokenizer.json").exists():
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tdir)
@@ -394,8 +437,11 @@ def main() -> None:
 
     from transformers import Qwen3ForCausalLM
     ckpt = args.work / "target"
-    if (ckpt / "config.json").exists():
-        model = Qwen3ForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa").to(dev).eval()
+    if (ckpt / "config.json").exists() or args.init_from:
+        src = ckpt if (ckpt / "config.json").exists() else args.init_from / "target"
+        model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                                 attn_implementation="sdpa").to(dev).eval()
+        log(f"target from {src}")
     else:
         model = make_target()
         log(f"target params: {sum(p.numel() for p in model.parameters()):,}")
@@ -408,7 +454,7 @@ def main() -> None:
         seqs = torch.load(data)
     else:
         seqs = target_continuations(model, tokens, args.gen_seqs, 64, SEQ - 64, dev,
-                                    args.gen_batch)[:, :SEQ]  # what acceptance measures
+                                    args.gen_batch, sampled_every=args.sampled_every)[:, :SEQ]
         if args.real_seqs:
             gen = torch.Generator().manual_seed(5)
             starts = torch.randint(0, tokens.numel() - SEQ, (args.real_seqs,), generator=gen)
@@ -427,16 +473,20 @@ def main() -> None:
     if (dckpt / "config.json").exists():
         drafter = DFlashDrafter.from_pretrained(dckpt, device=dev)
     else:
-        drafter = DFlashDrafter(dcfg)
-        with torch.no_grad():  # start the final norm like the target's
-            drafter.norm.weight.copy_(model.model.norm.weight)
+        if args.init_from:
+            drafter = DFlashDrafter.from_pretrained(args.init_from / "drafter", device=dev)
+            log(f"drafter starts from {args.init_from / 'drafter'}")
+        else:
+            drafter = DFlashDrafter(dcfg)
+            with torch.no_grad():  # start the final norm like the target's
+                drafter.norm.weight.copy_(model.model.norm.weight)
         log(f"drafter params: {sum(p.numel() for p in drafter.parameters()):,}")
         seconds = args.drafter_seconds
         if args.finish_by:  # leave ~45 s for the held-out check and the export
             seconds = max(10.0, min(seconds, args.finish_by - time.time() - 45))
             log(f"drafter stage: {seconds:.0f} s (--drafter-seconds {args.drafter_seconds:.0f})")
-        train_drafter(model, drafter, seqs, seconds, dev, mask_id,
-                      args.drafter_batch, held_seqs)
+        train_drafter(model, drafter, seqs, seconds, dev, mask_id, args.drafter_batch, held_seqs,
+                      args.drafter_lr, args.anchor_min, args.soft_weight)
         drafter.save_pretrained(dckpt, dtype=torch.float32)
     acc = drafter_accuracy(model, drafter, held_seqs, dev, mask_id)
     log("drafter held-out top-1 accuracy by position: " + " ".join(f"{a:.2f}" for a in acc))
