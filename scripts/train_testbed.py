@@ -19,9 +19,17 @@ Recipes (one H200 call each):
     python scripts/train_testbed.py --corpus stdlib --gen-seqs 4096 --real-seqs 4096 \
         --taps 1,2 --target-seconds 160 --drafter-seconds 140
     # v2 (tried, chain tau 1.31): --corpus all --gen-seqs 4096, 150 s + 150 s
-    # v3 (next): a target that generalises (--corpus all) and 4x more drafter data in larger
-    # batches; watch the logged held-out drafter accuracy.  The last target layer cannot be
-    # tapped (SGLang captures layer k at layer k + 1's input), so taps stay <= layers - 2.
+    # v3, the shipped pair (chain tau 2.28, DDTree B=32 3.31): 3-layer target, 2-layer drafter,
+    # then the drafter continued from that export with greedy-heavy data and some distillation
+    python scripts/train_testbed.py --corpus all --gen-seqs 16384 --gen-batch 2048 \
+        --drafter-batch 128 --target-layers 3 --draft-layers 2 --taps 0,1 \
+        --target-seconds 140 --drafter-seconds 200 --out runs/b
+    python scripts/train_testbed.py --init-from runs/b --work /tmp/v3 --corpus all \
+        --gen-seqs 20480 --gen-batch 2048 --sampled-every 8 --anchor-min 48 --soft-weight 0.3 \
+        --drafter-lr 1e-3 --drafter-batch 128 --drafter-seconds 318
+    # (scripts/gpu_train.sh runs several such candidates side by side; testbed/README.md has
+    # the exact calls.)  The last target layer cannot be tapped (SGLang captures layer k at
+    # layer k + 1's input), so taps stay <= layers - 2.
 """
 
 from __future__ import annotations
