@@ -279,10 +279,14 @@ def drafter_accuracy(model, drafter, seqs: torch.Tensor, dev, mask_id: int) -> l
 
 def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_id: int,
                   batch: int = 32, held: torch.Tensor | None = None, lr: float = 2e-3,
-                  anchor_min: int = 1, soft_weight: float = 0.0) -> None:
+                  anchor_min: int = 1, soft_weight: float = 0.0,
+                  val: torch.Tensor | None = None) -> None:
     """DFlash objective, position-decayed; with soft_weight > 0 the hard-label cross-entropy is
-    mixed with cross-entropy against the target's own distribution (distillation)."""
+    mixed with cross-entropy against the target's own distribution (distillation).  With `val`
+    (fresh continuations, not the held-out ones) the drafter of the checkpoint with the best
+    validation accuracy is kept: long runs start to memorise their continuations."""
     drafter.to(dev).train()
+    best = (-1.0, 0, None)  # (validation score, step, weights)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=DEV_TYPE == "cuda")
     head = model.get_output_embeddings()
@@ -315,8 +319,32 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_
         if held is not None and step % 1000 == 0:
             h = drafter_accuracy(model, drafter, held, dev, mask_id)
             log(f"drafter held-out top1@1 {h[0]:.2f} @4 {h[3]:.2f} @8 {h[7]:.2f}")
+        if val is not None and step % 1000 == 0:
+            best = keep_if_best(best, model, drafter, val, dev, mask_id, step)
     log(f"drafter: {step} steps of {batch} sequences x 16 blocks")
+    if val is not None:
+        best = keep_if_best(best, model, drafter, val, dev, mask_id, step)
+        drafter.load_state_dict(best[2])
+        log(f"drafter: kept step {best[1]} (validation chain proxy {best[0]:.2f})")
     drafter.eval()
+
+
+def chain_proxy(acc: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the chain's accept length if positions failed
+    independently - a selection score, not a tau measurement."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+def keep_if_best(best: tuple, model, drafter, val: torch.Tensor, dev, mask_id: int, step: int):
+    score = chain_proxy(drafter_accuracy(model, drafter, val, dev, mask_id))
+    log(f"drafter validation chain proxy {score:.2f} at step {step}")
+    if score <= best[0]:
+        return best
+    return score, step, {k: v.detach().clone() for k, v in drafter.state_dict().items()}
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -374,6 +402,9 @@ def main() -> None:
     ap.add_argument("--soft-weight", type=float, default=0.0,
                     help="share of the drafter loss taken against the target's distribution (0..1)")
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--keep-best", action="store_true",
+                    help="check the drafter on fresh continuations of training files every 1000 "
+                         "steps and keep the best checkpoint")
     ap.add_argument("--init-from", type=Path,
                     help="an exported testbed: keep its tokenizer and target, start the drafter "
                          "from its weights (its layer counts and taps replace the flags)")
@@ -493,8 +524,12 @@ def main() -> None:
         if args.finish_by:  # leave ~45 s for the held-out check and the export
             seconds = max(10.0, min(seconds, args.finish_by - time.time() - 45))
             log(f"drafter stage: {seconds:.0f} s (--drafter-seconds {args.drafter_seconds:.0f})")
+        val = None
+        if args.keep_best:  # training files, other offsets: never the held-out files
+            val = target_continuations(model, tokens, args.held_seqs, 64, SEQ - 64, dev,
+                                       args.gen_batch, seed=13, sampled_every=0)
         train_drafter(model, drafter, seqs, seconds, dev, mask_id, args.drafter_batch, held_seqs,
-                      args.drafter_lr, args.anchor_min, args.soft_weight)
+                      args.drafter_lr, args.anchor_min, args.soft_weight, val)
         drafter.save_pretrained(dckpt, dtype=torch.float32)
     acc = drafter_accuracy(model, drafter, held_seqs, dev, mask_id)
     log("drafter held-out top-1 accuracy by position: " + " ".join(f"{a:.2f}" for a in acc))

@@ -101,16 +101,16 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
     hybrid.mkdir()
     (hybrid / "config.json").write_text(json.dumps(
         {"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}))
-    shallow = tmp_path / "shallow"  # the drafter taps layers 1, 2: layer 2 is this target's last
+    shallow = tmp_path / "shallow"  # the drafter taps layers 0, 1: layer 1 is this target's last
     shallow.mkdir()
-    (shallow / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 3}))
+    (shallow / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
     base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
                 speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
     for extra, needle in [(dict(enable_dp_attention=True), "--enable-dp-attention"),
                           (dict(tp_size=2), "--tp-size 1 only"),
                           (dict(model_path=str(hybrid)), "hybrid (mamba / linear-attention)"),
-                          (dict(model_path=str(shallow)), "names layers [2] of a 3-layer target; "
-                                                          "accepted: 0..1"),
+                          (dict(model_path=str(shallow)), "names layers [1] of a 2-layer target; "
+                                                          "accepted: 0..0"),
                           (dict(device="cpu"), "CUDA GPUs only"),
                           (dict(decode_attention_backend="fa4"), "accepted: triton, flashinfer"),
                           (dict(attention_backend="trtllm_mha"), "does not run on sm_120"),

@@ -16,10 +16,11 @@ def test_train_testbed_smoke(tmp_path):
            "--out", str(out), "--device", "cpu", "--max-files", "24", "--corpus", "stdlib",
            "--target-seconds", "2", "--drafter-seconds", "2", "--gen-seqs", "8",
            "--gen-batch", "8", "--held-seqs", "4", "--real-seqs", "4", "--taps", "0,1",
-           "--target-layers", "3", "--draft-layers", "2", "--drafter-batch", "4"]
+           "--target-layers", "3", "--draft-layers", "2", "--drafter-batch", "4", "--keep-best"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "drafter held-out top-1 accuracy by position" in first.stdout
+    assert "drafter: kept step" in first.stdout  # --keep-best selected a checkpoint
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 1] and cfg["num_hidden_layers"] == 2
     assert json.loads((out / "target" / "config.json").read_text())["num_hidden_layers"] == 3
