@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import train_testbed as tt  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from testbed_drafter import drafter_accuracy, log  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +28,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    tt.DEV_TYPE = torch.device(args.device).type
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from ddtree_sglang.reference.drafter import DFlashDrafter
@@ -37,8 +37,6 @@ def main() -> None:
                                              attn_implementation="sdpa").to(args.device).eval()
     drafter = DFlashDrafter.from_pretrained(args.testbed / "drafter", dtype=torch.float32,
                                             device=args.device)
-    tt.TAPS = tuple(drafter.config.target_layer_ids)
-    mask_id = drafter.config.mask_token_id
     train_files, held_files = tt.corpus_files(args.corpus)
     res = dict(date=time.strftime("%Y-%m-%d"), device=args.device, testbed=str(args.testbed),
                command="python scripts/drafter_accuracy.py " + " ".join(
@@ -47,9 +45,9 @@ def main() -> None:
         tokens = tt.encode_files(tok, files[: args.files])
         seqs = tt.target_continuations(model, tokens, args.seqs, 64, tt.SEQ - 64, args.device,
                                        batch=64, seed=9)
-        acc = tt.drafter_accuracy(model, drafter, seqs, args.device, mask_id)
+        acc = drafter_accuracy(model, drafter, seqs, args.device)
         res[side] = [round(a, 3) for a in acc]
-        tt.log(f"{side}: top-1 @1 {acc[0]:.2f} @2 {acc[1]:.2f} @4 {acc[3]:.2f} @8 {acc[7]:.2f}")
+        log(f"{side}: top-1 @1 {acc[0]:.2f} @2 {acc[1]:.2f} @4 {acc[3]:.2f} @8 {acc[7]:.2f}")
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
 

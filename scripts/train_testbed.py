@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import random
 import shutil
 import sys
@@ -52,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ddtree_sglang.cli import positive_int_list  # noqa: E402
 from ddtree_sglang.dflash_config import DFlashConfig  # noqa: E402
 from ddtree_sglang.reference.drafter import DFlashDrafter  # noqa: E402
+from testbed_drafter import (drafter_accuracy, log, lr_at, optimizer_step,  # noqa: E402
+                             train_drafter)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -62,10 +63,6 @@ VOCAB, HIDDEN, LAYERS, INTER = 4096, 256, 4, 448
 DRAFT_LAYERS, DRAFT_INTER, BLOCK, TAPS = 1, 448, 16, (1, 2)
 SEQ = 512
 DEV_TYPE = "cuda"
-
-
-def log(*a) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
 # -- corpus -----------------------------------------------------------------------------------
@@ -155,20 +152,6 @@ def batches(tokens: torch.Tensor, bs: int, seq: int, gen: torch.Generator):
         yield torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
 
 
-def lr_at(step: float, total: float, peak: float, warm: float = 0.03) -> float:
-    if step < warm * total:
-        return peak * step / (warm * total)
-    p = min(1.0, (step - warm * total) / max(1e-9, (1 - warm) * total))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
-
-
-def optimizer_step(opt, loss, module) -> None:
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-    opt.step()
-
-
 def train_target(model, tokens: torch.Tensor, seconds: float, dev) -> None:
     model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05,
@@ -222,129 +205,6 @@ def target_continuations(model, tokens: torch.Tensor, n: int, prompt_len: int, n
         seqs.append(out.cpu())
         log(f"continuations {i + len(starts)}/{n}")
     return torch.cat(seqs)
-
-
-def tapped_features(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's context features (tapped layers, concatenated) and the target's logits."""
-    out = model(input_ids=x, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in TAPS], -1), out.logits
-
-
-def drafter_batch(model, x: torch.Tensor, blocks: int, gen: torch.Generator, mask_id: int,
-                  anchor_min: int = 1, soft: bool = False):
-    """Features, block embeddings, positions, mask and labels for `blocks` anchors per row
-    (anchors at anchor_min..t-17); with `soft`, also the target's logits for each label."""
-    b, t = x.shape
-    dev = x.device
-    with torch.no_grad(), torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
-        feats, tlogits = tapped_features(model, x)
-    anchors = torch.stack([torch.randperm(t - BLOCK - anchor_min, generator=gen)[:blocks] + anchor_min
-                           for _ in range(b)]).to(dev)  # [b, nb], a >= 1 so context is non-empty
-    offs = torch.arange(BLOCK, device=dev)
-    pos = anchors[..., None] + offs  # [b, nb, BLOCK]
-    block_ids = torch.full((b, blocks, BLOCK), mask_id, device=dev)
-    block_ids[..., 0] = x.gather(1, anchors)
-    labels = x.gather(1, pos.view(b, -1)).view(b, blocks, BLOCK)[..., 1:]
-    emb = model.get_input_embeddings()(block_ids.view(b, -1)).detach()
-    positions = torch.cat([torch.arange(t, device=dev).expand(b, t), pos.view(b, -1)], 1)
-    q_block = torch.arange(blocks, device=dev).repeat_interleave(BLOCK)  # block of each query
-    ctx_ok = torch.arange(t, device=dev)[None, None, :] < anchors.repeat_interleave(BLOCK, 1)[..., None]
-    own = q_block[:, None] == q_block[None, :]
-    mask = torch.cat([ctx_ok, own.expand(b, -1, -1)], dim=2)
-    soft_logits = None
-    if soft:  # the target's logits at a..a+14 predict the labels at a+1..a+15
-        idx = pos[..., :-1].reshape(b, -1, 1).expand(-1, -1, tlogits.shape[-1])
-        soft_logits = tlogits.gather(1, idx).view(b, blocks, BLOCK - 1, -1)
-    return feats, emb, positions, mask, labels, soft_logits
-
-
-@torch.no_grad()
-def drafter_accuracy(model, drafter, seqs: torch.Tensor, dev, mask_id: int) -> list[float]:
-    """Top-1 accuracy per block position (1..15) on `seqs` (e.g. held-out continuations): the
-    gap to the training accuracy shows whether the drafter memorises its data."""
-    drafter.eval()
-    gen = torch.Generator().manual_seed(11)
-    hits = torch.zeros(BLOCK - 1)
-    for i in range(0, seqs.shape[0], 32):
-        feats, emb, positions, mask, labels, _ = drafter_batch(model, seqs[i:i + 32].to(dev), 8, gen,
-                                                               mask_id)
-        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
-            h = drafter(feats, emb, positions, mask)
-            h = h.view(h.shape[0], -1, BLOCK, HIDDEN)[:, :, 1:]
-            pred = model.get_output_embeddings()(h).argmax(-1)
-        hits += (pred == labels).float().sum(dim=(0, 1)).cpu()
-    drafter.train()
-    return (hits / (seqs.shape[0] * 8)).tolist()
-
-
-def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev, mask_id: int,
-                  batch: int = 32, held: torch.Tensor | None = None, lr: float = 2e-3,
-                  anchor_min: int = 1, soft_weight: float = 0.0,
-                  val: torch.Tensor | None = None) -> None:
-    """DFlash objective, position-decayed; with soft_weight > 0 the hard-label cross-entropy is
-    mixed with cross-entropy against the target's own distribution (distillation).  With `val`
-    (fresh continuations, not the held-out ones) the drafter of the checkpoint with the best
-    validation accuracy is kept: long runs start to memorise their continuations."""
-    drafter.to(dev).train()
-    best = (-1.0, 0, None)  # (validation score, step, weights)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
-                            fused=DEV_TYPE == "cuda")
-    head = model.get_output_embeddings()
-    gen = torch.Generator().manual_seed(3)
-    weights = torch.exp(-torch.arange(BLOCK - 1, device=dev) / 6.0)
-    t0, step = time.time(), 0
-    while (el := time.time() - t0) < seconds:
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(el, seconds, lr)
-        idx = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
-        x = seqs[idx].to(dev)
-        feats, emb, positions, mask, labels, soft = drafter_batch(
-            model, x, 16, gen, mask_id, anchor_min, soft_weight > 0)
-        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
-            h = drafter(feats, emb, positions, mask)
-            b = h.shape[0]
-            h = h.view(b, -1, BLOCK, HIDDEN)[:, :, 1:]
-            logits = head(h).float()
-        ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
-        if soft is not None:
-            soft_ce = -(soft.float().softmax(-1) * logits.log_softmax(-1)).sum(-1).view(-1)
-            ce = (1 - soft_weight) * ce + soft_weight * soft_ce
-        loss = (ce.view(b, -1, BLOCK - 1) * weights).sum(-1).mean() / weights.sum()
-        optimizer_step(opt, loss, drafter)
-        step += 1
-        if step % 200 == 0:
-            acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
-            log(f"drafter step {step} loss {loss.item():.3f} top1@1 {acc[0]:.2f} "
-                f"@4 {acc[3]:.2f} @8 {acc[7]:.2f} ({el:.0f}s)")
-        if held is not None and step % 1000 == 0:
-            h = drafter_accuracy(model, drafter, held, dev, mask_id)
-            log(f"drafter held-out top1@1 {h[0]:.2f} @4 {h[3]:.2f} @8 {h[7]:.2f}")
-        if val is not None and step % 1000 == 0:
-            best = keep_if_best(best, model, drafter, val, dev, mask_id, step)
-    log(f"drafter: {step} steps of {batch} sequences x 16 blocks")
-    if val is not None:
-        best = keep_if_best(best, model, drafter, val, dev, mask_id, step)
-        drafter.load_state_dict(best[2])
-        log(f"drafter: kept step {best[1]} (validation chain proxy {best[0]:.2f})")
-    drafter.eval()
-
-
-def chain_proxy(acc: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: the chain's accept length if positions failed
-    independently - a selection score, not a tau measurement."""
-    total, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        total += run
-    return total
-
-
-def keep_if_best(best: tuple, model, drafter, val: torch.Tensor, dev, mask_id: int, step: int):
-    score = chain_proxy(drafter_accuracy(model, drafter, val, dev, mask_id))
-    log(f"drafter validation chain proxy {score:.2f} at step {step}")
-    if score <= best[0]:
-        return best
-    return score, step, {k: v.detach().clone() for k, v in drafter.state_dict().items()}
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -528,10 +388,10 @@ def main() -> None:
         if args.keep_best:  # training files, other offsets: never the held-out files
             val = target_continuations(model, tokens, args.held_seqs, 64, SEQ - 64, dev,
                                        args.gen_batch, seed=13, sampled_every=0)
-        train_drafter(model, drafter, seqs, seconds, dev, mask_id, args.drafter_batch, held_seqs,
+        train_drafter(model, drafter, seqs, seconds, dev, args.drafter_batch, held_seqs,
                       args.drafter_lr, args.anchor_min, args.soft_weight, val)
         drafter.save_pretrained(dckpt, dtype=torch.float32)
-    acc = drafter_accuracy(model, drafter, held_seqs, dev, mask_id)
+    acc = drafter_accuracy(model, drafter, held_seqs, dev)
     log("drafter held-out top-1 accuracy by position: " + " ".join(f"{a:.2f}" for a in acc))
 
     # export fp16, Hugging Face layout
