@@ -2,12 +2,13 @@
 # Train several testbed candidates side by side in one device call (the models are tiny, so
 # one GPU runs them together), sharing one tokenizer and token cache so they are comparable:
 #
-#   VARIANTS="a:--target-layers 4 --draft-layers 1 --taps 1,3;b:--target-layers 3 --draft-layers 2 --taps 1,2" \
+#   VARIANTS="a:--target-layers 4 --draft-layers 1 --taps 1,2;b:--target-layers 3 --draft-layers 2 --taps 0,1" \
 #   COMMON="--corpus all --gen-seqs 16384 --gen-batch 2048 --drafter-batch 128" \
 #   bash scripts/gpu_train.sh
 #
-# Each candidate's log is written straight to $OUT/<name>.log (so a run cut short still
-# returns it) and its exported testbed/ plus work logs to $OUT/<name>.tgz.  Evaluate a
+# Flags that must hold for every candidate and the shared tokenizer (--corpus, --init-from) go
+# in COMMON.  Each candidate's log is written straight to $OUT/<name>.log (so a run cut short
+# still returns it) and its exported testbed/ to $OUT/<name>.tgz.  Evaluate a
 # candidate afterwards with scripts/eval_testbed.py (the reference loop runs on CPU too).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
