@@ -18,13 +18,15 @@ import torch
 import train_testbed as tt  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from testbed_drafter import drafter_accuracy, log  # noqa: E402
 
+from ddtree_sglang.cli import positive_int  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--testbed", type=Path, default=Path("testbed"))
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="stdlib")
-    ap.add_argument("--seqs", type=tt.positive_int, default=128, help="continuations per side")
-    ap.add_argument("--files", type=tt.positive_int, default=200, help="files per side to cut prompts from")
+    ap.add_argument("--seqs", type=positive_int, default=128, help="continuations per side")
+    ap.add_argument("--files", type=positive_int, default=200, help="files per side to cut prompts from")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -30,7 +30,6 @@ def optimizer_step(opt, loss, module) -> None:
     opt.step()
 
 
-
 def tapped_features(model, x: torch.Tensor, taps) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's context features (tapped layers, concatenated) and the target's logits."""
     out = model(input_ids=x, output_hidden_states=True)

@@ -48,8 +48,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ddtree_sglang.cli import positive_int_list  # noqa: E402
-from ddtree_sglang.dflash_config import DFlashConfig  # noqa: E402
+from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
+from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint,  # noqa: E402
+                                         load_dflash_config, untappable_layers)
 from ddtree_sglang.reference.drafter import DFlashDrafter  # noqa: E402
 from testbed_drafter import (drafter_accuracy, log, lr_at, optimizer_step,  # noqa: E402
                              train_drafter)
@@ -227,12 +228,6 @@ def write_prompts(held: list[Path], out: Path, n_plain: int = 24, n_chat: int = 
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return int(text)
-
-
 def main() -> None:
     global DEV_TYPE, TAPS, LAYERS, DRAFT_LAYERS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -280,13 +275,15 @@ def main() -> None:
     if args.init_from:
         try:
             tcfg = json.loads((args.init_from / "target" / "config.json").read_text())
-            dcfg_raw = json.loads((args.init_from / "drafter" / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            init_cfg = load_dflash_config(args.init_from / "drafter")
+            LAYERS = int(tcfg["num_hidden_layers"])
+        except (OSError, KeyError, ValueError, NotADFlashCheckpoint) as exc:
             ap.error(f"--init-from {args.init_from} is not an exported testbed: {exc}")
-        LAYERS, DRAFT_LAYERS = tcfg["num_hidden_layers"], dcfg_raw["num_hidden_layers"]
-        TAPS = tuple(dcfg_raw["dflash_config"]["target_layer_ids"])
+        DRAFT_LAYERS, TAPS = init_cfg.num_hidden_layers, init_cfg.target_layer_ids
     if args.real_seqs < 0:
         ap.error(f"--real-seqs must be >= 0; got {args.real_seqs}")
+    if args.drafter_lr <= 0:
+        ap.error(f"--drafter-lr must be > 0; got {args.drafter_lr}")
     if args.sampled_every < 0:
         ap.error(f"--sampled-every must be >= 0; got {args.sampled_every}")
     if not 0.0 <= args.soft_weight <= 1.0:
@@ -294,7 +291,7 @@ def main() -> None:
     if args.anchor_min + BLOCK + 16 > SEQ:
         ap.error(f"--anchor-min must leave room for 16 blocks: at most {SEQ - BLOCK - 16}; "
                  f"got {args.anchor_min}")
-    if max(TAPS) > LAYERS - 2:  # SGLang captures layer k at layer k + 1's input: never the last
+    if untappable_layers(TAPS, LAYERS):
         ap.error(f"--taps must name target layers 0..{LAYERS - 2} (not the last); got {args.taps}")
     dev = torch.device(args.device)
     DEV_TYPE = dev.type

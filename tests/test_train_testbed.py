@@ -46,6 +46,12 @@ def test_bad_flags_are_refused(tmp_path):
     assert r.returncode == 2 and "expected a positive integer; got '0'" in r.stderr
     r = run("--real-seqs", "-1")
     assert r.returncode == 2 and "--real-seqs must be >= 0" in r.stderr
+    r = run("--drafter-lr", "0")
+    assert r.returncode == 2 and "--drafter-lr must be > 0" in r.stderr
+    r = run("--soft-weight", "1.5")
+    assert r.returncode == 2 and "--soft-weight must be in 0..1" in r.stderr
+    r = run("--init-from", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "is not an exported testbed" in r.stderr
 
 
 def test_drafter_accuracy_script(tmp_path):

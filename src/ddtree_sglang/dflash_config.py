@@ -99,6 +99,13 @@ def parse_dflash_config(raw: dict[str, Any], where: str = "config.json") -> DFla
     )
 
 
+def untappable_layers(taps: tuple[int, ...] | list[int], n_layers: int) -> list[int]:
+    """The tapped target layers outside 0..n_layers-2.  SGLang captures layer k's output at the
+    input of layer k + 1, so the last layer is never captured (and transformers' last hidden
+    state is taken after the final norm): a drafter cannot be served with such taps."""
+    return [t for t in taps if not 0 <= t <= n_layers - 2]
+
+
 def load_dflash_config(path: str | Path) -> DFlashConfig:
     """Parse `<path>/config.json` (or a config.json path) as a DFlash drafter config."""
     p = Path(path)

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.dflash_config import untappable_layers
 from ddtree_sglang.layout import build_verify_layout
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.sampling import SamplingParams, target_choice
@@ -54,8 +55,8 @@ class ReferenceSpeculator:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         n_layers = target.config.num_hidden_layers
-        bad = [i for i in self.cfg.target_layer_ids if not 0 <= i <= n_layers - 2]
-        if bad:  # HF's last hidden state is after the final norm; SGLang never captures it
+        bad = untappable_layers(self.cfg.target_layer_ids, n_layers)
+        if bad:
             raise ValueError(f"drafter taps target layers {bad} of a {n_layers}-layer target; "
                              f"accepted: 0..{n_layers - 2} (the last layer cannot be tapped)")
 

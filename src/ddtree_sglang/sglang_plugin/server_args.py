@@ -14,7 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ddtree_sglang.dflash_config import DFlashConfig, NotADFlashCheckpoint, load_dflash_config
+from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
+                                         untappable_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +144,13 @@ def hybrid_reason(hf: dict) -> str | None:
 
 
 def tap_error(taps: tuple[int, ...], hf: dict) -> str | None:
-    """Why the drafter's target_layer_ids cannot be served on this target, or None.  SGLang
-    captures layer k's output at the input of layer k + 1, so the last layer is never captured
-    (the drafter would get too few features) - the same limit the reference loop applies."""
+    """Why the drafter's target_layer_ids cannot be served on this target, or None (see
+    `untappable_layers`: the drafter would get too few features)."""
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     layers = text.get("num_hidden_layers")
     if not isinstance(layers, int):
         return None
-    bad = [t for t in taps if not 0 <= t <= layers - 2]
+    bad = untappable_layers(taps, layers)
     if not bad:
         return None
     return (f"drafter dflash_config.target_layer_ids {list(taps)} names layers {bad} of a "
