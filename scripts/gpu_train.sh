@@ -31,6 +31,7 @@ for spec in "${specs[@]}"; do
     cp "$WORK/shared/work/tokens.pt" "$WORK/$name/work/"
     cp "$WORK"/shared/tb/target/* "$WORK/$name/tb/target/"
     left=$(( LIMIT - 25 - ($(date +%s) - start) ))
+    if (( left < 60 )); then echo "gpu_train.sh: only ${left}s of LIMIT=${LIMIT} left for $name; raise LIMIT" >&2; exit 1; fi
     # shellcheck disable=SC2086
     timeout "$left" python scripts/train_testbed.py --work "$WORK/$name/work" --out "$WORK/$name/tb" \
         $COMMON $flags --finish-by $(( start + LIMIT - 25 )) > "$OUT/$name.log" 2>&1 &
