@@ -26,12 +26,15 @@ IFS=';' read -ra specs <<< "$VARIANTS"
 names=()
 for spec in "${specs[@]}"; do
     name="${spec%%:*}"; flags="${spec#*:}"
+    left=$(( LIMIT - 25 - ($(date +%s) - start) ))
+    if (( left < 60 )); then   # later candidates would have even less: start none of them
+        echo "gpu_train.sh: ${left}s of LIMIT=${LIMIT} left, $name and later candidates not started; raise LIMIT" >&2
+        break
+    fi
     names+=("$name")
     mkdir -p "$WORK/$name/work" "$WORK/$name/tb/target"
     cp "$WORK/shared/work/tokens.pt" "$WORK/$name/work/"
     cp "$WORK"/shared/tb/target/* "$WORK/$name/tb/target/"
-    left=$(( LIMIT - 25 - ($(date +%s) - start) ))
-    if (( left < 60 )); then echo "gpu_train.sh: only ${left}s of LIMIT=${LIMIT} left for $name; raise LIMIT" >&2; exit 1; fi
     # shellcheck disable=SC2086
     timeout "$left" python scripts/train_testbed.py --work "$WORK/$name/work" --out "$WORK/$name/tb" \
         $COMMON $flags --finish-by $(( start + LIMIT - 25 )) > "$OUT/$name.log" 2>&1 &
