@@ -23,6 +23,8 @@ import torch
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
 from ddtree_sglang.dflash_config import untappable_layers
 from ddtree_sglang.layout import build_verify_layout
+from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
+                                     path_tokens)
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.sampling import SamplingParams, target_choice
 from ddtree_sglang.tree import build_draft_tree, chain_tree
@@ -96,34 +98,50 @@ class ReferenceSpeculator:
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, mode: Mode = "ddtree",
                  budget: int = 32, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0) -> GenerationResult:
+                 seed: int = 0, penalties: RequestPenalties = RequestPenalties()
+                 ) -> GenerationResult:
+        """`seed` seeds this call's generator; `sampling.seed` (if set) instead makes every
+        draw a function of (seed, position), identical across modes and budgets."""
         if mode not in ("ar", "chain", "ddtree"):
             raise ValueError(f"mode must be one of ar, chain, ddtree; got {mode!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        state = _History(penalties, self.lm_head.weight.shape[0], self.device)
         t0 = time.perf_counter()
         ids = torch.tensor(prompt, device=self.device)
         logits, feats = self._causal(ids)
-        out = [int(target_choice(logits[None, -1:], [sampling], gen)[0, 0])]
+        out = [self._choose(logits[-1:], ids.new_tensor([len(prompt) - 1]), state, sampling,
+                            gen)]
+        state.extend(out)
         result = GenerationResult(tokens=out)
         while len(out) < max_new_tokens and out[-1] not in self.eos:
             if mode == "ar":
                 ids = torch.cat([ids, ids.new_tensor(out[-1:])])
                 logits, _ = self._causal(ids)
-                out.append(int(target_choice(logits[None, -1:], [sampling], gen)[0, 0]))
-                result.accept_lens.append(1)
+                new = [self._choose(logits[-1:], ids.new_tensor([len(ids) - 1]), state,
+                                    sampling, gen)]
             else:
-                ids, feats, new = self._spec_step(ids, feats, out[-1], mode, budget, sampling, gen)
-                out.extend(new)
-                result.accept_lens.append(len(new))
+                ids, feats, new = self._spec_step(ids, feats, out[-1], mode, budget, sampling,
+                                                  gen, state)
+            out.extend(new)
+            state.extend(new)
+            result.accept_lens.append(len(new))
             result.target_forwards += 1
         result.tokens = _truncate(out, max_new_tokens, self.eos)
         result.seconds = time.perf_counter() - t0
         return result
 
+    def _choose(self, logits: torch.Tensor, positions: torch.Tensor, state: "_History",
+                sampling: SamplingParams, gen: torch.Generator) -> int:
+        """The target's token after one position (AR and the prefill): a one-node tree."""
+        zeros = positions.new_zeros((1, 1))
+        logits = state.penalise(logits[None], torch.full((1, 1, 0), -1), zeros)
+        return int(target_choice(logits, [sampling], gen, positions.view(1, 1))[0, 0])
+
     def _spec_step(self, ids: torch.Tensor, feats: torch.Tensor, bonus: int, mode: Mode,
-                   budget: int, sampling: SamplingParams, gen: torch.Generator):
+                   budget: int, sampling: SamplingParams, gen: torch.Generator,
+                   state: "_History"):
         """ids: committed tokens before the bonus (features known for all of them)."""
         start = ids.shape[0]
         dl = self.draft_logits(feats, bonus)
@@ -136,8 +154,11 @@ class ReferenceSpeculator:
         allowed = torch.ones((start + n, start + n), dtype=torch.bool, device=ids.device).tril()
         allowed[start:, start:] = layout.ancestors[0]
         logits, all_feats = self._target(seq, positions, allowed)
-        choice = target_choice(logits[None, start:], [sampling], gen)
         tokens2d = layout.draft_tokens.view(1, n)
+        paths = path_tokens(tokens2d, layout.tree_parents, layout.tree_depths,
+                            self.cfg.draft_depth)
+        node_logits = state.penalise(logits[None, start:], paths, layout.tree_depths)
+        choice = target_choice(node_logits, [sampling], gen, layout.positions.view(1, n))
         acc = accept_tree(tokens2d, layout.tree_parents, layout.tree_depths, choice,
                           max_depth=self.cfg.draft_depth)
         k = int(acc.accept_len[0])
@@ -146,6 +167,28 @@ class ReferenceSpeculator:
         new_ids = torch.cat([ids, tokens2d[0, path]])  # root (old bonus) + accepted nodes
         new_feats = torch.cat([all_feats[:start], all_feats[start + path]])
         return new_ids, new_feats, emitted
+
+
+class _History:
+    """The request's output so far, as the penalties need it (token counts and length)."""
+
+    def __init__(self, penalties: RequestPenalties, vocab: int, device) -> None:
+        self.active = penalties.active
+        self.params = PenaltyParams.of([penalties], device)
+        self.counts = torch.zeros((1, vocab), dtype=torch.int32, device=device)
+        self.out_len = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.counts[0, t] += 1
+        self.out_len += len(tokens)
+
+    def penalise(self, logits: torch.Tensor, paths: torch.Tensor,
+                 depths: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return logits
+        return apply_tree_penalties(logits.float().clone(), self.counts, self.out_len,
+                                    self.params, paths.to(logits.device), depths)
 
 
 def _truncate(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
