@@ -62,6 +62,22 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("server_args",),
     "sglang.srt.plugins.hook_registry.HookRegistry.register": ("target", "hook", "hook_type"),
     "sglang.srt.runtime_context.get_spec": (),
+    "sglang.srt.runtime_context.get_exec": (),
+    "sglang.srt.model_executor.cuda_graph_config.Backend.DISABLED": (),
+    "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2":
+        ("topk_p", "topk_index", "bonus_tokens", "new_seq_lens", "hidden_states"),
+    "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2._ensure_prepare_length_buffers":
+        ("bs", "device"),
+    "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream": ("device",),
+    "sglang.srt.mem_cache.allocation.alloc_for_spec_decode":
+        ("tree_cache", "req_to_token_pool", "reqs", "req_pool_indices", "cur_kv_lens",
+         "cur_kv_lens_cpu", "nxt_kv_lens", "nxt_kv_lens_cpu", "num_needed_tokens", "batch"),
+    "sglang.srt.managers.schedule_batch.Req.update_finish_state": ("new_accepted_len",),
+    "sglang.srt.managers.schedule_batch.Req._check_vocab_boundary_finish":
+        ("new_accepted_tokens",),
+    "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": ("new_accepted_len",),
+    "sglang.srt.managers.schedule_batch.Req._check_token_based_finish":
+        ("new_accepted_tokens",),
 }
 
 
@@ -140,6 +156,40 @@ def future_map(device, spec_algo, req_to_token_pool, needs_cpu_seq_lens, needs_c
 
     return FutureMap(device, spec_algo, req_to_token_pool, needs_cpu_seq_lens,
                      needs_confidence_relay)
+
+
+def dflash_draft_input_class():
+    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+    return DFlashDraftInputV2
+
+
+def overlap_plan_stream(device):
+    from sglang.srt.speculative.dflash_info_v2 import _get_overlap_plan_stream
+
+    return _get_overlap_plan_stream(device)
+
+
+def alloc_for_spec_decode(*args, **kwargs) -> None:
+    from sglang.srt.mem_cache.allocation import alloc_for_spec_decode as alloc
+
+    alloc(*args, **kwargs)
+
+
+def decode_graph_config():
+    """SGLang's decode CUDA-graph settings (batch sizes, backend), or None if not resolved."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return get_exec().graph.cuda_graph_config.decode
+    except Exception:  # noqa: BLE001 - not resolved yet in this process
+        return None
+
+
+def graphs_disabled(decode) -> bool:
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    return decode.backend == Backend.DISABLED
 
 
 def runtime_spec():

@@ -1,12 +1,15 @@
 """Entry point (group `sglang.srt.plugins`): adds `--speculative-algorithm DDTREE` to SGLang.
 
 SGLang calls `register()` once in every process (launcher, tokenizer, each scheduler) before
-server arguments are parsed.  It registers the algorithm and two method hooks:
+server arguments are parsed.  It registers the algorithm and three method hooks:
 
 * DecodeCudaGraphRunner.get_spec_info: the target's verify CUDA graphs must be captured with
   a custom-mask spec input, or FlashInfer/Triton would replay a causal (wrong) verify.
-* validate_dflash_request: per-request rejection of what DDTREE cannot serve yet, with a clear
-  message in the response, instead of a scheduler crash.
+* validate_dflash_request: per-request rejection of what DDTREE cannot serve (yet), with a
+  clear message in the response, instead of a scheduler crash: logprobs, constrained decoding,
+  and prompt token ids outside the vocabulary (which would kill the server).
+* Req.update_finish_state: EOS / stop strings among the tokens of a multi-token commit that
+  crosses max_new_tokens end the request as plain decoding would (see _finish_state_hook).
 """
 
 from __future__ import annotations
@@ -53,8 +56,24 @@ def _get_spec_info_hook(original, runner, num_tokens):
     )
 
 
+def token_id_error(ids, vocab: int | None) -> str | None:
+    """Why a prompt's token ids cannot reach the model (an id outside the vocabulary makes the
+    embedding lookup assert on the device and takes the whole server down), or None."""
+    if ids is None or vocab is None or len(ids) == 0:
+        return None
+    if 0 <= min(ids) and max(ids) < vocab:
+        return None
+    pos, bad = next((i, int(t)) for i, t in enumerate(ids) if not 0 <= t < vocab)
+    return (f"input token id {bad} at position {pos} is outside the model's vocabulary; "
+            f"accepted: token ids in 0..{vocab - 1}")
+
+
 def request_error(req) -> str | None:
     """Why DDTREE will not serve this request, or None.  Read from the request's fields."""
+    ids_error = token_id_error(getattr(req, "origin_input_ids", None),
+                               getattr(req, "vocab_size", None))
+    if ids_error:
+        return ids_error
     if getattr(req, "return_logprob", False):
         return ("DDTREE speculative decoding does not return logprobs yet; resend without "
                 "logprobs / top_logprobs, or serve this request without speculative decoding")
@@ -74,6 +93,37 @@ def _validate_request_hook(original, req, enable_overlap):
         if msg is not None:
             return msg
     return original(req, enable_overlap)
+
+
+def _finish_state_hook(original, req, new_accepted_len: int = 1):
+    """A verify step can commit several tokens and cross max_new_tokens; SGLang 0.5.17 then
+    ends the request with "length" before looking for EOS / stop ids / stop strings among the
+    tokens inside the limit (plain decoding, one token a step, never meets this).  Look at
+    those tokens first, so output and finish reason are what plain decoding gives."""
+    if new_accepted_len > 1 and req.to_finish is None and not req.finished():
+        # Plain decoding checks the length first, so a stop at the limit's own token still
+        # ends as "length": only tokens before it can stop the request.
+        cut = req.sampling_params.max_new_tokens - 1
+        within = new_accepted_len - (len(req.output_ids) - cut)
+        if 0 < within < new_accepted_len and _serving_ddtree():
+            tail = req.output_ids[cut:]
+            del req.output_ids[cut:]
+            try:
+                new = list(req.output_ids[-within:])
+                stopped = (req._check_vocab_boundary_finish(new)
+                           or req._check_str_based_finish(within)
+                           or req._check_token_based_finish(new))
+            finally:
+                req.output_ids.extend(tail)
+            if stopped:
+                return None
+    return original(req, new_accepted_len)
+
+
+def _serving_ddtree() -> bool:
+    from ddtree_sglang.sglang_plugin import internals
+
+    return internals.runtime_spec().speculative_algorithm == "DDTREE"
 
 
 def register() -> None:
@@ -104,4 +154,6 @@ def register() -> None:
         _get_spec_info_hook, hook_type.AROUND)
     registry.register("sglang.srt.speculative.dflash_utils.validate_dflash_request",
                       _validate_request_hook, hook_type.AROUND)
+    registry.register("sglang.srt.managers.schedule_batch.Req.update_finish_state",
+                      _finish_state_hook, hook_type.AROUND)
     _registered = True

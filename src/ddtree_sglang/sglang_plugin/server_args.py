@@ -143,6 +143,25 @@ def hybrid_reason(hf: dict) -> str | None:
     return None
 
 
+def sliding_window_reason(hf: dict) -> str | None:
+    """Why a target config uses windowed attention (sliding or chunked), or None.
+
+    The tree verify masks by tree index, not by each node's own depth, so a window would be
+    applied at the wrong distance for tree nodes: not lossless once a sequence passes it."""
+    texts = [hf] + [hf[k] for k in ("text_config", "llm_config") if isinstance(hf.get(k), dict)]
+    for cfg in texts:
+        windowed = sorted({str(t) for t in cfg.get("layer_types") or []
+                           if "sliding" in str(t) or "chunk" in str(t)})
+        if windowed:
+            return f"layer types {windowed}"
+        if cfg.get("attention_chunk_size"):
+            return f"chunked attention (attention_chunk_size={cfg['attention_chunk_size']})"
+        for key in ("sliding_window", "sliding_window_size"):
+            if cfg.get(key) and cfg.get("use_sliding_window", True) is not False:
+                return f"{key}={cfg[key]}"
+    return None
+
+
 def tap_error(taps: tuple[int, ...], hf: dict) -> str | None:
     """Why the drafter's target_layer_ids cannot be served on this target, or None (see
     `untappable_layers`: the drafter would get too few features)."""
@@ -200,10 +219,16 @@ def validate(args: Any) -> None:
         errors.append("DDTREE does not support --speculative-adaptive (accepted: off)")
     if _get(args, "enable_lora"):
         errors.append("DDTREE does not support LoRA adapters (accepted: --enable-lora off)")
-    reason = hybrid_reason(_target_hf_config(args))
+    hf = _target_hf_config(args)
+    reason = hybrid_reason(hf)
     if reason:
         errors.append(f"DDTREE does not support hybrid (mamba / linear-attention) targets: "
                       f"{reason}; accepted: full-attention transformer targets")
+    window = sliding_window_reason(hf)
+    if window:
+        errors.append(f"DDTREE does not support sliding-window or chunked attention targets "
+                      f"({window}): the tree mask would apply the window at the wrong distance; "
+                      "accepted: full-attention targets (or use_sliding_window false)")
     if errors:
         raise DDTreeConfigError("DDTREE cannot start:\n  - " + "\n  - ".join(errors))
 

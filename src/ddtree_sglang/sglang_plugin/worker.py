@@ -11,7 +11,9 @@ DFlashWorkerV2's.  A decode step then:
   4. samples the target once per node (argmax when greedy) and walks the tree (core);
   5. moves the accepted nodes' target KV to the front of the request's slots, writes their
      target hidden states into the draft KV at chain positions, and publishes new lengths.
-No step reads tensors back to the host.
+Before step 4 each node's logits get the request's penalties as plain decoding would apply
+them at that node (its own path included; ddtree_sglang.penalties).  No step reads tensors back
+to the host.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.layout import VerifyLayout, full_mask
 from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 from ddtree_sglang.kernels.tree_build import supported as tree_kernel_supported
+from ddtree_sglang.penalties import apply_tree_penalties, path_tokens
 from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
+from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import env_setting
 from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.tree import build_draft_tree
@@ -49,9 +54,12 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 logger = logging.getLogger(__name__)
 
 
-def sample_per_node(logits: torch.Tensor, sampling_info, n: int) -> torch.Tensor:
-    """[bs * n] the target's choice at every node: argmax, or one draw from the processed
-    distribution (ddtree_sglang.sampling.sample_rows with sgl_kernel's renorm kernels)."""
+def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
+                    seeds: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[bs * n] the target's choice at every node: argmax, or one draw from the filtered
+    distribution (ddtree_sglang.sampling, joint top-k/top-p, with sgl_kernel's renorm kernels;
+    rows of seeded requests draw as a function of (seed, node position))."""
     if sampling_info is None or sampling_info.is_all_greedy:
         return logits.argmax(dim=-1)
     from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob
@@ -65,7 +73,8 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int) -> torch.Tensor
         per_node(si.top_ks) if si.need_top_k_sampling else None,
         per_node(si.top_ps) if si.need_top_p_sampling else None,
         per_node(si.min_ps) if si.need_min_p_sampling else None,
-        top_k_renorm=top_k_renorm_prob, top_p_renorm=top_p_renorm_prob)
+        top_k_renorm=top_k_renorm_prob, top_p_renorm=top_p_renorm_prob,
+        seeds=None if seeds is None else per_node(seeds), positions=positions)
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -91,33 +100,37 @@ class DDTreeWorker(DFlashWorkerV2):
             tree_kernel_supported(self.budget, self.depth)
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
+        self._penalty_state: PenaltyState | None = None
+        # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
+        # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
+        self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d",
                         self.budget, self.verify_width, self.block_size, self.depth)
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
-        self._capture_tree_graphs()
+        if not self._tree_graphs_done:
+            self._tree_graphs_done = self._capture_tree_graphs("after the KV pool")
 
-    def _capture_tree_graphs(self) -> None:
-        """Capture the tree and acceptance stages for every decode CUDA-graph batch size at
-        startup (largest first, so the shared pool is sized once) instead of on first use."""
+    def _capture_tree_graphs(self, when: str) -> bool:
+        """Capture the tree and acceptance stages for every decode CUDA-graph batch size
+        (largest first, so the shared pool is sized once), then freeze them: a batch size
+        seen later is padded to a captured one, nothing is captured while serving.
+        Returns whether the capture question is settled."""
         if not (self._tree_stage.enabled and torch.cuda.is_available()):
-            return
-        try:
-            from sglang.srt.model_executor.cuda_graph_config import Backend
-            from sglang.srt.runtime_context import get_exec
-
-            decode = get_exec().graph.cuda_graph_config.decode
-            sizes = sorted(set(decode.bs), reverse=True)
-        except Exception:  # noqa: BLE001 - no decode sizes known: capture lazily
-            return
-        if decode.backend == Backend.DISABLED:  # the user turned CUDA graphs off: keep it so
+            return True
+        decode = internals.decode_graph_config()
+        if decode is None or not decode.bs:
+            return False
+        if internals.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
             self._tree_stage.enabled = self._accept_stage.enabled = False
-            return
+            return True
+        sizes = sorted(set(decode.bs), reverse=True)
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
         n = self.verify_width
+        self._mem_before_capture = torch.cuda.memory_reserved() / 2**20
         try:
             for bs in sizes:
                 lay = VerifyLayout(*self._tree_stage(
@@ -129,25 +142,52 @@ class DDTreeWorker(DFlashWorkerV2):
                                    torch.zeros((bs, n), dtype=torch.int64, device=self.device))
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
-            logger.warning("DDTREE: startup capture of the tree stage failed (%s); graphs are "
-                           "captured on first use instead", exc)
-            return
+            logger.warning("DDTREE: startup capture of the tree stage failed (%s); it runs "
+                           "eagerly", exc)
+            self._tree_stage.enabled = self._accept_stage.enabled = False
+            return True
+        self._tree_stage.freeze()
+        self._accept_stage.freeze()
         if self.ps.tp_rank == 0:
-            logger.info("DDTREE tree/accept stages captured for batch sizes %s", sizes)
+            logger.info("DDTREE tree/accept stages captured %s for batch sizes %s (%.0f MiB "
+                        "graph pool); other sizes are padded to these", when, sizes,
+                        torch.cuda.memory_reserved() / 2**20 - self._mem_before_capture)
+        return True
 
     def _maybe_build_draft_sampler(self):
         return None  # DDTREE needs the drafter's whole distributions, not its argmax
+
+    def _make_next_draft_input_prefill(self, *, bonus_tokens, seq_lens):
+        return make_draft_input(bonus_tokens, seq_lens)
+
+    def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
+        return make_draft_input(bonus_tokens, new_seq_lens)
+
+    @property
+    def penalty_state(self) -> PenaltyState:
+        if self._penalty_state is None:
+            rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+            self._penalty_state = PenaltyState(rows, self.vocab_size, self.device)
+        return self._penalty_state
 
     # -- decode ----------------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
                 batch.forward_mode.is_idle():
-            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            result = super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            if not batch.forward_mode.is_idle() and result.next_token_ids is not None:
+                self.penalty_state.on_prefill(batch.reqs, result.next_token_ids)
+            return result
         if batch.spec_info is None or not isinstance(batch.spec_info, DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
         draft_input = batch.spec_info
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs, n = len(batch.seq_lens), self.verify_width
+        # A request that already finished on the GPU can get one more step under overlap
+        # scheduling; keep its writes inside its own row (see draft_input.py).  A running
+        # request is never clamped.
+        batch.seq_lens = batch.seq_lens.clamp(
+            max=max_step_seq_len(self.model_runner.req_to_token_pool.req_to_token, n))
 
         hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
         layout = VerifyLayout(*self._tree_stage(hidden[:, 1:, :], draft_input.bonus_tokens.long(),
@@ -158,13 +198,24 @@ class DDTreeWorker(DFlashWorkerV2):
             batch=None, forward_batch=verify_fb, is_verify=True)
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits
+        penalties = self.penalty_state.params(batch.reqs)
+        if penalties is not None:
+            counts, out_len = self.penalty_state.rows_of(batch.req_pool_indices)
+            paths = path_tokens(layout.draft_tokens.view(bs, n), layout.tree_parents,
+                                layout.tree_depths, self.depth)
+            apply_tree_penalties(logits.view(bs, n, -1), counts, out_len, penalties, paths,
+                                 layout.tree_depths)
         apply_dflash_verify_logits_adjustments(next_token_logits=logits,
                                                sampling_info=batch.sampling_info,
                                                draft_token_num=n)
-        choice = sample_per_node(logits, batch.sampling_info, n).view(bs, n)
+        choice = sample_per_node(logits, batch.sampling_info, n,
+                                 request_seeds(batch.reqs, self.device),
+                                 layout.positions).view(bs, n)
         step = StepCommit(*self._accept_stage(layout.draft_tokens.view(bs, n),
                                               layout.tree_parents, layout.tree_depths, choice))
         commit_lens = step.commit_lens
+        if penalties is not None:
+            self.penalty_state.commit(batch.req_pool_indices, step.tokens, commit_lens)
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
         move_accept_tokens_to_target_kvcache(batch, step.accept_index, commit_lens - 1,
                                              self.model_runner.token_to_kv_pool_allocator)
