@@ -2,6 +2,7 @@
 # One device call per phase, from the repository root on the GPU machine (carry .device):
 #   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
 #   bash scripts/gpu_run.sh e2e     # real-server checks, 5 arms started together           (~6 min)
+#   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
 #   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
@@ -21,6 +22,8 @@ case "${1:-}" in
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" \
              --arms ddtree_triton,ddtree_flashinfer,ddtree_nooverlap,dflash_triton,plain_triton
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
+  rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
+         mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;
   bench) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out "$OUT/bench"
          pack "$OUT/bench" ;;
   cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_cost_qwen3_8b.yaml \
@@ -28,5 +31,5 @@ case "${1:-}" in
          pack "$OUT/cost" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;
-  *)     echo "usage: bash scripts/gpu_run.sh tree|e2e|bench|cost|pair" >&2; exit 2 ;;
+  *)     echo "usage: bash scripts/gpu_run.sh tree|e2e|rel|bench|cost|pair" >&2; exit 2 ;;
 esac

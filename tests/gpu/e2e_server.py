@@ -26,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rescoring import teacher_force  # noqa: E402
 from ddtree_sglang.bench.server import (Server, ServerSpec, get_json, post_json,  # noqa: E402
                                         stop_servers_on_sigterm)
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
@@ -106,32 +108,6 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
         res["traceback_in_log"] = "Traceback" in log
         server.stop()
     return res
-
-
-@torch.no_grad()
-def teacher_force(model, prompts, outputs, tie_tol: float) -> dict:
-    """Per emitted token: is it the target's argmax given its actual prefix (fp32)?"""
-    n = bad = near = 0
-    worst = 0.0
-    nll = ent = 0.0
-    for p, o in zip(prompts, outputs):
-        if not o:
-            continue
-        ids = torch.tensor([p + o], device="cuda")
-        logits = model(ids).logits[0, len(p) - 1: len(p) - 1 + len(o)].float()
-        top = logits.max(-1).values
-        emitted = logits.gather(1, torch.tensor(o, device="cuda")[:, None]).squeeze(1)
-        gap = top - emitted
-        n += len(o)
-        miss = gap > 0
-        bad += int((gap > tie_tol).sum())
-        near += int((miss & (gap <= tie_tol)).sum())
-        worst = max(worst, float(gap.max()))
-        logp = torch.log_softmax(logits, -1)
-        nll += float(-(logp.gather(1, torch.tensor(o, device="cuda")[:, None])).sum())
-        ent += float(-(logp.exp() * logp).sum())
-    return dict(tokens=n, not_argmax_beyond_tol=bad, near_ties=near, worst_gap=round(worst, 4),
-                mean_nll=round(nll / max(n, 1), 4), mean_entropy=round(ent / max(n, 1), 4))
 
 
 def score(model, prompts, r: dict, tie_tol: float) -> None:

@@ -203,8 +203,8 @@ class DDTreeWorker(DFlashWorkerV2):
             counts, out_len = self.penalty_state.rows_of(batch.req_pool_indices)
             paths = path_tokens(layout.draft_tokens.view(bs, n), layout.tree_parents,
                                 layout.tree_depths, self.depth)
-            apply_tree_penalties(logits.view(bs, n, -1), counts, out_len, penalties, paths,
-                                 layout.tree_depths)
+            apply_tree_penalties(logits.view(bs, n, -1)[..., : self.vocab_size], counts,
+                                 out_len, penalties, paths, layout.tree_depths)
         apply_dflash_verify_logits_adjustments(next_token_logits=logits,
                                                sampling_info=batch.sampling_info,
                                                draft_token_num=n)
