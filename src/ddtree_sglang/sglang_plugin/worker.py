@@ -283,7 +283,10 @@ class DDTreeWorker(DFlashWorkerV2):
             req_to_token=self.model_runner.req_to_token_pool.req_to_token,
             block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
             mask_token_id=int(self._mask_token_id))
-        embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids)
+        # The draft runner's graphs copy the embeddings into buffers of its dtype; its eager
+        # path (batches above the largest captured size) does not, so cast here.
+        embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids).to(
+            self.draft_model_runner.dtype)
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
         cpu_buf = self._draft_seq_lens_cpu_buf[:bs]
         cpu_buf.copy_(seq_lens_cpu)
