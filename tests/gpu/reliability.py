@@ -2,11 +2,12 @@
 
     source scripts/device_env.sh && python tests/gpu/reliability.py --out $OUT/rel
 
-Four `sglang.launch_server` processes on the shipped testbed pair start together (triton,
+Five `sglang.launch_server` processes on the shipped testbed pair start together (triton,
 float16, CUDA graphs, strict idle KV-leak checker): `ddtree` (B = 32), `plain` (no
 speculation), `plain_sync` (no speculation, --disable-overlap-schedule: plain SGLang applies
 penalties to every output token only without overlap; with overlap it lags one token) and
-`ddtree_small` (B = 32 with a small KV pool, for retraction).  Phases, each compared with a
+`ddtree_small` (B = 32 with a small KV pool, for retraction), `ddtree_eager` (graphs only up
+to batch 8).  Phases, each compared with a
 reference and written to reliability.json as it finishes:
 
   penalties     greedy, frequency / presence / repetition / mixed: DDTREE vs plain_sync,
@@ -21,6 +22,7 @@ reference and written to reliability.json as it finishes:
   shared_prefix 64 requests sharing a 380-token prefix: re-scored
   bad_inputs    out-of-vocab / negative ids, empty prompt, bad sampling values, over-long
                 prompt, invalid JSON: status and message, server alive (plain beside it)
+  eager         48 requests on a server with graphs only up to batch 8: re-scored
   final         greedy re-scored again, KV 0 after /flush_cache, no leak / traceback in logs
 """
 
@@ -241,6 +243,25 @@ def phase_shared_prefix(s, model, long_ids, prompts) -> dict:
 KILLS_PLAIN = ("token id = vocab", "negative token id", "openai prompt id = vocab")  # may kill plain 0.5.17
 
 
+def phase_eager(s, model, prompts) -> dict:
+    """48 concurrent requests on a server whose graphs stop at batch 8 (eager draft, verify
+    and tree stages), a third with a frequency penalty: re-scored."""
+    base = [prompts[i % len(prompts)] for i in range(48)]
+    params = [dict(temperature=0, max_new_tokens=64, ignore_eos=True,
+                   frequency_penalty=1.0 if i % 3 == 0 else 0.0) for i in range(48)]
+    res = many(s["ddtree_eager"].url, base, params)
+    outs = ids_of(res)
+    plain_idx = [i for i in range(48) if i % 3]
+    pen_idx = [i for i in range(48) if i % 3 == 0]
+    return dict(requests=48, complete=sum(len(o) == 64 for o in outs),
+                rescored=teacher_force(model, [base[i] for i in plain_idx],
+                                       [outs[i] for i in plain_idx], TIE),
+                rescored_frequency_1=teacher_force(model, [base[i] for i in pen_idx],
+                                                   [outs[i] for i in pen_idx], TIE,
+                                                   RequestPenalties(frequency=1.0)),
+                alive=s["ddtree_eager"].alive(), errors=errors(res))
+
+
 def bad_requests(vocab: int, context: int, prompt: list[int]) -> list[tuple[str, str, object]]:
     sp = dict(max_new_tokens=8)
     gen = "/generate"
@@ -317,7 +338,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--samples", type=int, default=6000, help="distribution phase requests per arm")
     ap.add_argument("--phases", default="penalties,min_new,eos_boundary,distribution,context,"
-                    "retraction,aborts,shared_prefix,bad_inputs,final")
+                    "retraction,aborts,shared_prefix,bad_inputs,eager,final")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
@@ -332,12 +353,16 @@ def main() -> None:
     prompts48 = [prompts[i % len(prompts)][: 24 + (i * 37) % 400] for i in range(48)]
     env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
     n = args.budget + 1
-    specs = {"ddtree": ServerSpec(target, "ddtree", "DDTREE", drafter, n, max_total_tokens=120_000),
+    specs = {"ddtree": ServerSpec(target, "ddtree", "DDTREE", drafter, n, max_total_tokens=120_000,
+                                  max_running_requests=32),
              "plain": ServerSpec(target, "plain", max_total_tokens=120_000),
              "plain_sync": ServerSpec(target, "plain_sync", disable_overlap_schedule=True,
                                       max_total_tokens=120_000),
              "ddtree_small": ServerSpec(target, "ddtree_small", "DDTREE", drafter, n,
-                                        max_total_tokens=3000)}
+                                        max_total_tokens=3000),
+             # CUDA graphs only up to batch 8: most steps take SGLang's eager paths
+             "ddtree_eager": ServerSpec(target, "ddtree_eager", "DDTREE", drafter, n,
+                                        max_total_tokens=120_000, cuda_graph_max_bs=8)}
     servers = {}
     for name, spec in specs.items():
         spec.sleep_on_idle = True
@@ -370,6 +395,7 @@ def main() -> None:
             "aborts": lambda: phase_aborts(servers, prompts),
             "shared_prefix": lambda: phase_shared_prefix(servers, model, long_ids, prompts),
             "bad_inputs": lambda: phase_bad_inputs(servers, vocab, context, prompts[0][:32]),
+            "eager": lambda: phase_eager(servers, model, prompts),
             "final": lambda: phase_final(servers, model, prompts),
         }
         for name in args.phases.split(","):

@@ -105,8 +105,10 @@ class DDTreeWorker(DFlashWorkerV2):
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
         if self.ps.tp_rank == 0:
-            logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d",
-                        self.budget, self.verify_width, self.block_size, self.depth)
+            logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
+                        "drafter weights %s, target embeddings %s", self.budget,
+                        self.verify_width, self.block_size, self.depth, self._draft_weight_dtype,
+                        self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
@@ -162,6 +164,14 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
         return make_draft_input(bonus_tokens, new_seq_lens)
+
+    @property
+    def _draft_weight_dtype(self) -> torch.dtype:
+        """The dtype of the drafter's first matrix weight (what its layers compute in)."""
+        if not hasattr(self, "_draft_dtype"):
+            self._draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
+                                     if p.dim() == 2 and p.is_floating_point())
+        return self._draft_dtype
 
     @property
     def penalty_state(self) -> PenaltyState:
@@ -283,10 +293,11 @@ class DDTreeWorker(DFlashWorkerV2):
             req_to_token=self.model_runner.req_to_token_pool.req_to_token,
             block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
             mask_token_id=int(self._mask_token_id))
-        # The draft runner's graphs copy the embeddings into buffers of its dtype; its eager
-        # path (batches above the largest captured size) does not, so cast here.
+        # The drafter's layers may hold another dtype than the target's embeddings (seen: bf16
+        # embeddings, fp16 drafter) and its eager path (batches above the largest captured
+        # size) does not convert, so match the drafter's weights here.
         embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids).to(
-            self.draft_model_runner.dtype)
+            self._draft_weight_dtype)
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
         cpu_buf = self._draft_seq_lens_cpu_buf[:bs]
         cpu_buf.copy_(seq_lens_cpu)
