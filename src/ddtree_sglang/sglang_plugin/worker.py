@@ -101,6 +101,10 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
+        # What the drafter's layers compute in (its first matrix weight): the target's
+        # embeddings may differ and the drafter's eager path does not convert them.
+        self._draft_weight_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
+                                        if p.dim() == 2 and p.is_floating_point())
         # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
@@ -132,7 +136,7 @@ class DDTreeWorker(DFlashWorkerV2):
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
         n = self.verify_width
-        self._mem_before_capture = torch.cuda.memory_reserved() / 2**20
+        mem_before = torch.cuda.memory_reserved() / 2**20
         try:
             for bs in sizes:
                 lay = VerifyLayout(*self._tree_stage(
@@ -153,7 +157,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if self.ps.tp_rank == 0:
             logger.info("DDTREE tree/accept stages captured %s for batch sizes %s (%.0f MiB "
                         "graph pool); other sizes are padded to these", when, sizes,
-                        torch.cuda.memory_reserved() / 2**20 - self._mem_before_capture)
+                        torch.cuda.memory_reserved() / 2**20 - mem_before)
         return True
 
     def _maybe_build_draft_sampler(self):
@@ -164,14 +168,6 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
         return make_draft_input(bonus_tokens, new_seq_lens)
-
-    @property
-    def _draft_weight_dtype(self) -> torch.dtype:
-        """The dtype of the drafter's first matrix weight (what its layers compute in)."""
-        if not hasattr(self, "_draft_dtype"):
-            self._draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
-                                     if p.dim() == 2 and p.is_floating_point())
-        return self._draft_dtype
 
     @property
     def penalty_state(self) -> PenaltyState:
@@ -293,9 +289,8 @@ class DDTreeWorker(DFlashWorkerV2):
             req_to_token=self.model_runner.req_to_token_pool.req_to_token,
             block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
             mask_token_id=int(self._mask_token_id))
-        # The drafter's layers may hold another dtype than the target's embeddings (seen: bf16
-        # embeddings, fp16 drafter) and its eager path (batches above the largest captured
-        # size) does not convert, so match the drafter's weights here.
+        # Seen: bf16 embeddings for an fp16 drafter, which its eager path (batches above the
+        # largest captured size) does not convert.
         embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids).to(
             self._draft_weight_dtype)
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
