@@ -176,3 +176,26 @@ def test_sglang_internals_contract():
     from ddtree_sglang.sglang_plugin.internals import contract_violations
 
     assert contract_violations() == []
+
+
+def test_drafter_forward_keeps_its_embeds_dtype():
+    """SGLang's eager extend path hands bf16 input_embeds to an fp16 drafter."""
+    import torch
+
+    from ddtree_sglang.sglang_plugin.internals import keep_embeds_dtype
+
+    class Drafter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4).half()
+
+        def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+            return self.proj.weight.dtype, input_embeds.dtype
+
+    model = Drafter()
+    keep_embeds_dtype(model, torch.float16)
+    bf16 = torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert model.forward(None, None, None, input_embeds=bf16) == (torch.float16, torch.float16)
+    assert model.forward(None, None, None, input_embeds=bf16.half())[1] == torch.float16
+    with pytest.raises(AttributeError):  # no embeds: the model's own behaviour, untouched
+        model.forward(None, None, None)

@@ -73,6 +73,9 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("tree_cache", "req_to_token_pool", "reqs", "req_pool_indices", "cur_kv_lens",
          "cur_kv_lens_cpu", "nxt_kv_lens", "nxt_kv_lens_cpu", "num_needed_tokens", "batch"),
     "sglang.srt.managers.schedule_batch.Req.update_finish_state": ("new_accepted_len",),
+    # casts every input_embeds to bfloat16 on the eager extend path (see keep_embeds_dtype)
+    "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs":
+        ("forward_batch", "pp_proxy_tensors"),
     "sglang.srt.managers.schedule_batch.Req._check_vocab_boundary_finish":
         ("new_accepted_tokens",),
     "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": ("new_accepted_len",),
@@ -174,6 +177,26 @@ def alloc_for_spec_decode(*args, **kwargs) -> None:
     from sglang.srt.mem_cache.allocation import alloc_for_spec_decode as alloc
 
     alloc(*args, **kwargs)
+
+
+def keep_embeds_dtype(model, dtype) -> None:
+    """Make `model.forward` cast its `input_embeds` to `dtype`.
+
+    SGLang 0.5.17's eager extend path (`ModelRunner._extend_forward_kwargs`, taken by batches
+    above the largest captured graph size) turns every `input_embeds` into bfloat16, which an
+    fp16 drafter's first matmul refuses.  The runners call `model.forward` directly (hooks do
+    not fire), so the cast wraps that attribute on this one model instance; it is a no-op when
+    the dtype already matches (the graph path, bf16 models).
+    """
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        embeds = kwargs.get("input_embeds")
+        if embeds is not None and embeds.dtype != dtype:
+            kwargs["input_embeds"] = embeds.to(dtype)
+        return inner(*args, **kwargs)
+
+    model.forward = forward
 
 
 def decode_graph_config():

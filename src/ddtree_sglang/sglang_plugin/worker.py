@@ -105,6 +105,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # embeddings may differ and the drafter's eager path does not convert them.
         self._draft_weight_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
                                         if p.dim() == 2 and p.is_floating_point())
+        internals.keep_embeds_dtype(self.draft_model_runner.model, self._draft_weight_dtype)
         # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
