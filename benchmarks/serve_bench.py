@@ -22,12 +22,13 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from ddtree_sglang.bench import client, compare, cost_mode, report  # noqa: E402
+from ddtree_sglang.bench import client, compare, cost_mode, profile, report  # noqa: E402
 from ddtree_sglang.bench.config import DATASETS, Arm, BenchConfig, load_config  # noqa: E402
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm  # noqa: E402
 from ddtree_sglang.cli import positive_int_list  # noqa: E402
@@ -188,11 +189,34 @@ def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | N
                            errors=sum(r.error is not None for r in res))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            for bs in cm.profile_batches:
+                key = f"{arm.name}@{bs}"
+                try:
+                    results.setdefault("profiles", {})[key] = profile_level(
+                        url, prompts, cm, bs, out / "traces" / key)
+                except Exception as exc:  # noqa: BLE001 - a failed profile is reported, not fatal
+                    failures[f"profile {key}"] = f"{type(exc).__name__}: {exc}"[:300]
             results["cost_rows"] = cost_mode.projection(rows)
             if save:
                 save(results)
     results["cost_rows"] = cost_mode.projection(rows)
     return results
+
+
+def profile_level(url: list[str], prompts, cm, bs: int, trace_dir: Path) -> dict:
+    """Keep `bs` long requests in flight, profile `cm.profile_steps` decode steps once every
+    request is past its prefill, and reduce the trace to a kernel table."""
+    params = dict(temperature=0.0, max_new_tokens=cm.profile_new_tokens, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(client.run_level, url, prompts, params, bs, bs)
+        time.sleep(1.0 + 0.03 * bs)  # prefill of bs x prompt_len tokens is done by then
+        profile.start_profile(url[0], trace_dir, cm.profile_steps)
+        load.result()
+    table = profile.kernel_table(profile.read_trace(profile.wait_for_trace(trace_dir)),
+                                 cm.profile_steps)
+    print(json.dumps({"profile": trace_dir.name, "span_ms": table["span_ms"],
+                      "idle_ms": table["idle_ms"], "stages": table["stages"]}), flush=True)
+    return table
 
 
 def merge_results(a: dict, b: dict) -> dict:
@@ -218,6 +242,12 @@ def write(results: dict, out: Path) -> str:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     md = cost_mode.markdown(results) if "cost_rows" in results else report.markdown(results)
     (out / "results.md").write_text(md)
+    if results.get("profiles"):
+        m = results["meta"]
+        (out / "profile.md").write_text(profile.markdown(
+            results["profiles"], f"# Decode-step GPU profile, {m['device']}, {m['date']}\n\n"
+            f"Command: `{m['command']}`, commit `{m.get('commit', '?')}`. Torch profiler through "
+            "SGLang's /start_profile, steady load of `batch` requests; cells are arm@batch."))
     return md
 
 

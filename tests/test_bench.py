@@ -210,3 +210,30 @@ def test_comma_list_arguments():
     with pytest.raises(SystemExit):
         serve_bench.main(["--config", str(ROOT / "configs" / "h200_testbed.yaml"),
                           "--out", "/tmp/x", "--concurrency", "4,four"])
+
+
+def test_profile_kernel_table_from_a_trace(tmp_path):
+    """Per-step kernel time, stage sums and the GPU idle time inside the profiled span."""
+    import gzip
+
+    from ddtree_sglang.bench import profile
+
+    events = [  # two steps: [0, 10) gemm, [12, 15) attention; [20, 30) gemm, [25, 28) sort
+        dict(ph="X", cat="kernel", name="nvjet_tst_128x256", ts=0, dur=10),
+        dict(ph="X", cat="kernel", name="_fwd_kernel_stage1", ts=12, dur=3),
+        dict(ph="X", cat="kernel", name="nvjet_tst_128x256", ts=20, dur=10),
+        dict(ph="X", cat="kernel", name="at::native::sort_kernel", ts=25, dur=3),
+        dict(ph="X", cat="cpu_op", name="aten::mm", ts=0, dur=100),  # host side: not counted
+    ]
+    path = tmp_path / "x.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    table = profile.kernel_table(profile.read_trace(path), steps=2)
+    assert table["span_ms"] == 0.015 and table["busy_ms"] == 0.0115
+    assert table["idle_ms"] == 0.0035  # 2 us between the first two kernels, 5 us before the third
+    assert table["stages"] == {"gemm": 0.01, "attention": 0.0015, "sort / top-k": 0.0015}
+    assert table["kernels"][0] == dict(name="nvjet_tst_128x256", stage="gemm", calls=1.0, ms=0.01)
+    md = profile.markdown({"dflash@1": table}, "# t")
+    assert "GPU idle inside the span" in md and "`nvjet_tst_128x256`" in md
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        profile.kernel_table(events[-1:], steps=1)

@@ -54,6 +54,11 @@ class CostMode(BaseModel):
     prompt_len: int = 512
     new_tokens: int = 128
     workdir: str = "/tmp/ddtree_cost_models"
+    profile_batches: list[int] = Field([], description="batch sizes at which each arm's decode "
+                                       "steps are also profiled (torch profiler, kernel table)")
+    profile_steps: int = Field(20, ge=1, description="decode steps recorded per profile")
+    profile_new_tokens: int = Field(384, ge=16, description="tokens per request while profiling "
+                                    "(long enough that the batch stays full)")
 
 
 class BenchConfig(BaseModel):

@@ -1,0 +1,130 @@
+"""Per-step GPU profile of a live server: SGLang's own torch-profiler hook (`/start_profile`)
+records a fixed number of decode steps under steady load; the Chrome trace it writes is reduced
+here to a kernel-time table (by kernel name and by stage) and the GPU idle time between kernels.
+
+Why a live server and not a micro-benchmark: the question is what a DDTREE step costs beside a
+DFLASH step with everything SGLang does around it (CUDA graphs, overlap scheduling, the verify
+attention path), and the gaps where the GPU waits for the host are only visible there.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+# (pattern on the kernel name, stage) - first match wins; what is left is "other".
+STAGES: list[tuple[str, str]] = [
+    (r"memcpy|memset|Memcpy|Memset", "copies"),
+    (r"_fwd_kernel|extend_attention|attention|flash|fmha|decode_.*kv|_splitkv", "attention"),
+    (r"nvjet|gemm|Gemm|cutlass|sm90_xmma|sm80_xmma|ampere_|hopper_|matmul|splitKreduce", "gemm"),
+    (r"_tree_kernel|_score_key", "tree (fused kernel)"),
+    (r"sort|Sort|topk|TopK|radix|bitonic|gatherTopK", "sort / top-k"),
+    (r"softmax|logsumexp|LogSoftMax|SoftMax|reduce_kernel|Reduce", "softmax / reductions"),
+    (r"rms|norm|Norm", "norms"),
+    (r"silu|act_and_mul|gelu", "activations"),
+    (r"rotary|rope", "rotary"),
+    (r"index|gather|scatter|Index|Gather|Scatter|cat|Cat", "index / gather / scatter"),
+    (r"elementwise|vectorized|unrolled|Elementwise|fill|Fill", "elementwise"),
+]
+
+
+def stage_of(name: str) -> str:
+    for pattern, stage in STAGES:
+        if re.search(pattern, name):
+            return stage
+    return "other"
+
+
+def start_profile(url: str, out_dir: Path, steps: int) -> None:
+    """Ask the server to profile its next `steps` forward steps (GPU activity only)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    body = {"output_dir": str(out_dir.resolve()), "num_steps": steps, "activities": ["GPU"]}
+    req = urllib.request.Request(url + "/start_profile", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
+def wait_for_trace(out_dir: Path, timeout: float = 120.0) -> Path:
+    """The trace file the server writes once its profiled steps are done."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = sorted(out_dir.glob("*.trace.json.gz"))
+        if found:
+            size = -1
+            while found[0].stat().st_size != size:  # still being written
+                size = found[0].stat().st_size
+                time.sleep(1.0)
+            return found[0]
+        time.sleep(1.0)
+    raise TimeoutError(f"no *.trace.json.gz in {out_dir} after {timeout:.0f} s")
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
+def kernel_table(events: list[dict], steps: int, top: int = 25) -> dict:
+    """Reduce trace events to per-step figures: kernel time by name and by stage, the span from
+    the first kernel to the last, and the GPU idle time inside that span."""
+    kernels = [e for e in events if e.get("ph") == "X" and
+               e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not kernels:
+        raise ValueError("the trace holds no GPU kernels (was the GPU activity recorded?)")
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(float(e["dur"]))
+    start = min(float(e["ts"]) for e in kernels)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in kernels)
+    busy = _busy_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
+    rows = sorted(((sum(d), len(d), n) for n, d in by_name.items()), reverse=True)
+    stages: dict[str, float] = {}
+    for total, _, name in rows:
+        stage = stage_of(name)
+        stages[stage] = stages.get(stage, 0.0) + total
+    per = 1e-3 / steps  # us over the window -> ms per step
+    return dict(
+        steps=steps, span_ms=round((end - start) * per, 4), busy_ms=round(busy * per, 4),
+        idle_ms=round((end - start - busy) * per, 4),
+        stages={k: round(v * per, 4) for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
+        kernels=[dict(name=name[:120], stage=stage_of(name), calls=round(calls / steps, 2),
+                      ms=round(total * per, 4)) for total, calls, name in rows[:top]])
+
+
+def read_trace(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def markdown(profiles: dict[str, dict], title: str) -> str:
+    """One stage table (arm@batch columns) and each cell's top kernels."""
+    cells = list(profiles)
+    stages = list(dict.fromkeys(s for p in profiles.values() for s in p["stages"]))
+    lines = [title, "", "Per decode step, ms (the profiled window / its steps).", "",
+             "| | " + " | ".join(cells) + " |", "|---" * (len(cells) + 1) + "|"]
+    for key, label in [("span_ms", "**step span (first kernel to last)**"),
+                       ("busy_ms", "GPU busy"), ("idle_ms", "**GPU idle inside the span**")]:
+        lines.append(f"| {label} | " + " | ".join(str(profiles[c][key]) for c in cells) + " |")
+    for s in stages:
+        lines.append(f"| {s} | " + " | ".join(str(profiles[c]["stages"].get(s, 0.0))
+                                             for c in cells) + " |")
+    for c in cells:
+        lines += ["", f"### {c}: top kernels", "", "| kernel | stage | calls / step | ms / step |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['stage']} | {k['calls']} | {k['ms']} |"
+                  for k in profiles[c]["kernels"]]
+    return "\n".join(lines) + "\n"
