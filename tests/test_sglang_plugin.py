@@ -180,6 +180,8 @@ def test_sglang_internals_contract():
 
 def test_drafter_forward_keeps_its_embeds_dtype():
     """SGLang's eager extend path hands bf16 input_embeds to an fp16 drafter."""
+    import inspect
+
     import torch
 
     from ddtree_sglang.sglang_plugin.internals import keep_embeds_dtype
@@ -194,6 +196,8 @@ def test_drafter_forward_keeps_its_embeds_dtype():
 
     model = Drafter()
     keep_embeds_dtype(model, torch.float16)
+    # SGLang's graph runner passes input_embeds only if the signature names it
+    assert "input_embeds" in inspect.signature(model.forward).parameters
     bf16 = torch.zeros(3, 4, dtype=torch.bfloat16)
     assert model.forward(None, None, None, input_embeds=bf16) == (torch.float16, torch.float16)
     assert model.forward(None, None, None, input_embeds=bf16.half())[1] == torch.float16

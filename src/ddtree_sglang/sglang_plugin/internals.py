@@ -8,6 +8,7 @@ mismatched SGLang fails loudly instead of decoding wrongly.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 SUPPORTED_SGLANG = "0.5.17"
@@ -190,6 +191,7 @@ def keep_embeds_dtype(model, dtype) -> None:
     """
     inner = model.forward
 
+    @functools.wraps(inner)  # the graph runner inspects the signature for `input_embeds`
     def forward(*args, **kwargs):
         embeds = kwargs.get("input_embeds")
         if embeds is not None and embeds.dtype != dtype:
