@@ -121,6 +121,9 @@ def phase_min_new(s, stops) -> dict:
                 for r, p in zip(d, params))
     return dict(prompts=len(rows), equal_to_plain_sync=f"{equal_count(d, ref)}/{len(d)}",
                 finish_equal=sum(finish(a) == finish(b) for a, b in zip(d, ref)),
+                # a differing request at ~2k tokens of context: a near-tie or a wrong token?
+                ddtree_rescored=teacher_force(model, prompts, ids_of(d), TIE),
+                plain_rescored=teacher_force(model, prompts, ids_of(ref), TIE),
                 ddtree_finish_types=sorted({str(finish(a)) for a in d}),
                 ddtree_shorter_than_min_new=early, errors=errors(d + ref))
 
@@ -174,7 +177,7 @@ def phase_distribution(s, model, prompt, samples: int) -> dict:
     return out
 
 
-def phase_context(s, long_ids, context: int) -> dict:
+def phase_context(s, model, long_ids, context: int) -> dict:
     # No max_new_tokens (an explicit one past the context is refused with HTTP 400): SGLang's
     # default of 128 then runs into the context limit, where the scheduler stops the request.
     prompts = [long_ids[20 * i: 20 * i + context - 100 + 4 * i] for i in range(24)]
@@ -187,6 +190,9 @@ def phase_context(s, long_ids, context: int) -> dict:
                 plain_length_range=[min(y for _, y in lens), max(y for _, y in lens)],
                 ended_at_context=sum(len(p) + a >= context - 8 for (a, _), p in zip(lens, prompts)),
                 finish_equal=sum(finish(a) == finish(b) for a, b in zip(d, ref)),
+                # a differing request at ~2k tokens of context: a near-tie or a wrong token?
+                ddtree_rescored=teacher_force(model, prompts, ids_of(d), TIE),
+                plain_rescored=teacher_force(model, prompts, ids_of(ref), TIE),
                 errors=errors(d + ref))
 
 
@@ -393,7 +399,7 @@ def main() -> None:
             "eos_boundary": lambda: phase_eos_boundary(servers, stops, tok),
             "distribution": lambda: phase_distribution(
                 servers, model, pick_flat_prompt(model, prompts, 20, 0.8), args.samples),
-            "context": lambda: phase_context(servers, long_ids, context),
+            "context": lambda: phase_context(servers, model, long_ids, context),
             "retraction": lambda: phase_retraction(servers, model, prompts),
             "aborts": lambda: phase_aborts(servers, prompts),
             "shared_prefix": lambda: phase_shared_prefix(servers, model, long_ids, prompts),
