@@ -29,3 +29,29 @@ def test_accept_stage_commit_format():
     assert step.feature_rows.tolist() == [[0, 1, 3, 5], [6, 8, 6, 6]]
     assert step.bonus.tolist() == [8, 5]
     assert step.tokens.tolist() == [[10, 12, 14, 8], [11, 5, 0, 0]]
+
+
+def test_kv_moves_put_the_accepted_path_at_its_positions():
+    """Slot contents are node ids; after the moves, position j of each request holds the j-th
+    node of its accepted path (root first), whatever order the moves read and write in."""
+    from ddtree_sglang.decode_step import kv_moves
+    from ddtree_sglang.kernels.kv_move import move_rows_reference
+
+    tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 3)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 3)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 3)
+    choice = torch.tensor([[10, 12, 0, 14, 0, 8],   # path 0-1-3-5: slot 3 -> 2 and 5 -> 3
+                           [11, 0, 5, 0, 0, 0],     # path 0-2: slot 2 -> 1
+                           [7, 0, 0, 0, 0, 0]])     # root only
+    step = StepCommit(*accept_stage(tokens, parents, depths, choice, depth=3, out_width=4))
+    n = 6
+    out_cache_loc = torch.tensor([40, 41, 42, 43, 44, 45, 10, 11, 12, 13, 14, 15,
+                                  30, 31, 32, 33, 34, 35])
+    tgt, src = kv_moves(out_cache_loc, step.accept_index, step.commit_lens, n)
+    assert tgt.tolist() == [[40, 41, 42, 43], [10, 11, 12, 13], [30, 31, 32, 33]]
+    assert src.tolist() == [[40, 41, 43, 45], [10, 12, 12, 13], [30, 31, 32, 33]]
+    kv = torch.zeros(50, 2, dtype=torch.long)
+    kv[out_cache_loc, 0] = torch.arange(3 * n) % n  # node id held by each slot
+    move_rows_reference([kv], tgt, src)
+    assert kv[tgt[0], 0].tolist() == [0, 1, 3, 5]
+    assert kv[tgt[1, :2], 0].tolist() == [0, 2] and kv[tgt[2, :1], 0].tolist() == [0]

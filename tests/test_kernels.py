@@ -26,3 +26,13 @@ def test_kernel_refuses_unsupported_shapes():
     assert supported(64, 15) and not supported(65, 15) and not supported(32, 17)
     with pytest.raises(ValueError, match="budget 1..64"):
         build_draft_tree_triton(torch.randn(1, 15, 1000), 128)
+
+
+def test_kv_move_kernel_matches_reference():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = Path(__file__).with_name("kv_move_interpret_check.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "KV MOVE OK" in proc.stdout

@@ -51,3 +51,21 @@ def accept_stage(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
     out_tokens = committed_tokens(tokens, acc)[:, :out_width].clamp(min=0)
     return (acc.accept_len.to(torch.int32), accept_index.to(torch.int32),
             path.clamp(min=0) + rows, acc.bonus, out_tokens)
+
+
+def kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
+             commit_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, source) KV slots, [bs, out_width] each, that put every request's accepted path
+    at its committed positions.
+
+    out_cache_loc [bs * n]: the verify block's slots; slot j of request r holds position
+    seq_len + j, so the committed token j belongs in out_cache_loc[r * n + j].  accept_index
+    [bs, out_width]: the accepted rows of the flattened block (StepCommit).  Entries past the
+    commit, and nodes already at their position, have source == target (nothing to move).
+    """
+    bs, width = accept_index.shape
+    tgt = out_cache_loc.view(bs, n)[:, :width].long()
+    j = torch.arange(width, device=accept_index.device)
+    src = torch.where(j < commit_lens.view(bs, 1), out_cache_loc[accept_index.clamp(min=0).long()],
+                      tgt)
+    return tgt, src

@@ -74,6 +74,11 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("tree_cache", "req_to_token_pool", "reqs", "req_pool_indices", "cur_kv_lens",
          "cur_kv_lens_cpu", "nxt_kv_lens", "nxt_kv_lens_cpu", "num_needed_tokens", "batch"),
     "sglang.srt.managers.schedule_batch.Req.update_finish_state": ("new_accepted_len",),
+    # the KV pool's per-buffer base addresses and row bytes (see kv_move_buffers)
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._slot_move_pointer_buffers": (),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_data_ptrs_and_strides": (),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._move_kv_cache_impl":
+        ("tgt_loc", "src_loc"),
     # casts every input_embeds to bfloat16 on the eager extend path (see keep_embeds_dtype)
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs":
         ("forward_batch", "pp_proxy_tensors"),
@@ -199,6 +204,26 @@ def keep_embeds_dtype(model, dtype) -> None:
         return inner(*args, **kwargs)
 
     model.forward = forward
+
+
+def kv_move_buffers(allocator):
+    """(data_ptrs, row_bytes, max_row_bytes) of the target's KV pool for a direct slot move, or
+    None where the pool's layout needs SGLang's own move (paged HND, native move, no pointers).
+
+    `data_ptrs` / `data_strides` are what SGLang's own copy kernel reads; the largest row is
+    taken from the buffers' shapes, on the host, so nothing waits for the GPU."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = allocator.get_kvcache()
+    if not isinstance(pool, MHATokenToKVPool) or \
+            type(pool)._move_kv_cache_impl is not MHATokenToKVPool._move_kv_cache_impl \
+            or getattr(pool, "use_hnd", False) or getattr(pool, "use_native_move_kv_cache", False) \
+            or not hasattr(pool, "_slot_move_pointer_buffers") \
+            or getattr(pool, "data_ptrs", None) is None or getattr(pool, "page_size", 1) != 1:
+        return None
+    rows = pool._slot_move_pointer_buffers()
+    max_bytes = max(int(x[0].numel()) * x.element_size() for x in rows)
+    return pool.data_ptrs, pool.data_strides, max_bytes
 
 
 def decode_graph_config():

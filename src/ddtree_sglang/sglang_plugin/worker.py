@@ -22,9 +22,10 @@ import logging
 
 import torch
 
-from ddtree_sglang.decode_step import StepCommit, accept_stage, tree_stage
+from ddtree_sglang.decode_step import StepCommit, accept_stage, kv_moves, tree_stage
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.layout import VerifyLayout, full_mask
+from ddtree_sglang.kernels.kv_move import move_rows_triton
 from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 from ddtree_sglang.kernels.tree_build import supported as tree_kernel_supported
 from ddtree_sglang.penalties import apply_tree_penalties, path_tokens
@@ -101,6 +102,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
+        self._kv_move = None  # resolved on the first decode step: the KV pool exists by then
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ and the drafter's eager path does not convert them.
         self._draft_weight_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
@@ -224,8 +226,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if penalties is not None:
             self.penalty_state.commit(batch.req_pool_indices, step.tokens, commit_lens)
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
-        move_accept_tokens_to_target_kvcache(batch, step.accept_index, commit_lens - 1,
-                                             self.model_runner.token_to_kv_pool_allocator)
+        self._move_accepted_kv(batch, step)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
@@ -262,6 +263,22 @@ class DDTreeWorker(DFlashWorkerV2):
     def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
         """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
         return accept_stage(tokens, parents, depths, choice, self.depth, self.out_width)
+
+    def _move_accepted_kv(self, batch, step: StepCommit) -> None:
+        """Accepted path's K/V -> the committed positions: one launch that moves only what
+        is not in place (kernels/kv_move.py), or SGLang's generic move for pool layouts the
+        kernel does not address."""
+        if self._kv_move is None:
+            self._kv_move = internals.kv_move_buffers(
+                self.model_runner.token_to_kv_pool_allocator) or False
+        if self._kv_move is False:
+            move_accept_tokens_to_target_kvcache(batch, step.accept_index, step.commit_lens - 1,
+                                                 self.model_runner.token_to_kv_pool_allocator)
+            return
+        data_ptrs, row_bytes, max_row_bytes = self._kv_move
+        tgt, src = kv_moves(batch.out_cache_loc, step.accept_index, step.commit_lens,
+                            self.verify_width)
+        move_rows_triton(data_ptrs, row_bytes, max_row_bytes, tgt, src)
 
     def _host_seq_lens_bound(self, batch, draft_input, extra: int):
         """Host-side per-request upper bounds on the committed lengths, and their sum.
