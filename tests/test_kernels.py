@@ -36,3 +36,13 @@ def test_kv_move_kernel_matches_reference():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "KV MOVE OK" in proc.stdout
+
+
+def test_logsumexp_kernel_matches_reference():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = Path(__file__).with_name("logsumexp_interpret_check.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "LOGSUMEXP OK" in proc.stdout

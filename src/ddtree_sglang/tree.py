@@ -76,11 +76,28 @@ def check_budget(budget: int, depth: int, vocab: int) -> None:
         )
 
 
+def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most probable tokens of every draft position and their float32 log-probabilities,
+    sorted descending: [batch, depth, k] each.
+
+    Top-k runs on the raw logits (softmax preserves order) and only the k winners are
+    normalised, by one logsumexp per position, so no [batch, depth, vocab] float32 tensor is
+    written (the full log_softmax cost ~1.5 ms per step at batch 64 on the Qwen3 vocabulary).
+    """
+    values, ids = torch.topk(draft_logits, k, dim=-1)
+    if draft_logits.is_cuda:  # one float32 pass over the half-precision row, no copy
+        from ddtree_sglang.kernels.logsumexp import logsumexp_triton
+
+        lse = logsumexp_triton(draft_logits)
+    else:
+        lse = torch.logsumexp(draft_logits.float(), dim=-1)
+    return values.float() - lse.unsqueeze(-1), ids
+
+
 def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
     """The DFlash chain as a tree: the argmax token of every position, one node per depth."""
     batch, depth, _ = draft_logits.shape
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    best, tokens = log_probs.max(dim=-1)
+    best, tokens = (t.squeeze(-1) for t in top_log_probs(draft_logits, 1))
     device = draft_logits.device
     parents = torch.arange(-1, depth - 1, device=device).expand(batch, depth).contiguous()
     depths = torch.arange(1, depth + 1, device=device).expand(batch, depth).contiguous()
@@ -97,8 +114,7 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     check_budget(budget, depth, vocab)
     device = draft_logits.device
     k = min(budget, vocab)
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_ids = torch.topk(log_probs, k, dim=-1)  # [batch, depth, k], sorted desc
+    top_lp, top_ids = top_log_probs(draft_logits, k)  # [batch, depth, k], sorted desc
 
     # Depth 1: the beam is the top-k tokens themselves, already in rank order.
     width = min(budget, k)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree_sglang.tree import DraftTree, check_budget
+from ddtree_sglang.tree import DraftTree, check_budget, top_log_probs
 
 MAX_BUDGET = 64
 MAX_DEPTH = 16
@@ -114,8 +114,7 @@ def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int) -> DraftTre
         raise ValueError(f"the Triton tree kernel takes budget 1..{MAX_BUDGET} and depth "
                          f"1..{MAX_DEPTH}; got budget {budget}, depth {depth}")
     k = min(budget, vocab)
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_ids = torch.topk(log_probs, k, dim=-1)
+    top_lp, top_ids = top_log_probs(draft_logits, k)
     bp = max(2, triton.next_power_of_2(budget))
     bl = max(2, triton.next_power_of_2(depth))
     dev = draft_logits.device
