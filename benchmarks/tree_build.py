@@ -11,7 +11,6 @@ not a test: run it on the GPU machine and commit the JSON / markdown it writes.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import statistics
 import time
@@ -23,6 +22,7 @@ import torch
 from ddtree_sglang.acceptance import accept_tree
 from ddtree_sglang.cli import positive_int_list
 from ddtree_sglang.layout import build_verify_layout, full_mask
+from ddtree_sglang.reference.heap import heap_tree
 from ddtree_sglang.tree import build_draft_tree
 
 
@@ -31,26 +31,6 @@ def triton_build(logits, budget):
 
     depth = logits.shape[1]
     return build_draft_tree_triton(logits, budget) if supported(budget, depth) else None
-
-
-def heap_build(log_probs: torch.Tensor, budget: int) -> list[tuple[int, int]]:
-    """The reference's CPU heap for one request (top-k copied to the host first)."""
-    depth, vocab = log_probs.shape
-    k = min(budget, vocab)
-    top_lp, top_ids = torch.topk(log_probs, k, dim=-1)
-    lp, ids = top_lp.cpu().tolist(), top_ids.cpu().tolist()
-    heap = [(-lp[0][0], (0,), -1)]
-    nodes = []
-    while heap and len(nodes) < budget:
-        neg, ranks, parent = heapq.heappop(heap)
-        d, r = len(ranks), ranks[-1]
-        idx = len(nodes)
-        nodes.append((ids[d - 1][r], parent))
-        if r + 1 < k:
-            heapq.heappush(heap, (neg + lp[d - 1][r] - lp[d - 1][r + 1], ranks[:-1] + (r + 1,), parent))
-        if d < depth:
-            heapq.heappush(heap, (neg - lp[d][0], ranks + (0,), idx))
-    return nodes
 
 
 def time_graph(fn, iters: int) -> float:
@@ -112,7 +92,7 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for b in range(batch):
-            heap_build(lp[b], budget)
+            heap_tree(lp[b], budget)
         heap_times.append((time.perf_counter() - t0) * 1e6)
     heap_us = statistics.median(heap_times)
     return dict(batch=batch, budget=budget, depth=depth, vocab=vocab, ctx=ctx,

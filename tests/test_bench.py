@@ -8,11 +8,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # the stand-in server module
 
-import serve_bench  # noqa: E402
-from ddtree_sglang.bench.config import BenchConfig, load_config  # noqa: E402
+from ddtree_sglang.bench import run as serve_bench  # noqa: E402
+from ddtree_sglang.bench.config import BenchConfig, ConfigError, load_config  # noqa: E402
 
 
 def write_config(tmp_path, **overrides):
@@ -110,11 +109,52 @@ def test_config_errors_are_clear(tmp_path):
         BenchConfig(name="x", arms=[{"name": "a"}], prompts={"source": "nope"})
     with pytest.raises(ValueError, match="startup_group > 1 needs max_total_tokens"):
         BenchConfig(name="x", arms=[{"name": "a"}], startup_group=2)
-    with pytest.raises(FileNotFoundError, match="configs/"):
+    with pytest.raises(ConfigError, match="missing.yaml not found"):
         load_config(tmp_path / "missing.yaml")
-    with pytest.raises(SystemExit):
-        serve_bench.main(["--config", str(write_config(tmp_path)), "--out", str(tmp_path),
-                          "--arms", "bogus"])
+    assert serve_bench.main(["--config", str(write_config(tmp_path)), "--out", str(tmp_path),
+                             "--arms", "bogus"]) == 2
+
+
+def _error_line(capsys, argv) -> str:
+    """Run serve_bench, expect exit code 2 and exactly one stderr line, return it."""
+    assert serve_bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("serve_bench: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("name: x\narms: [{name: a}]\nconcurency: [1, 4]\n",
+     "unknown key 'concurency'; accepted here: name, "),
+    ("name: x\narms: [{name: a, algorithm: DDTREE, budegt: 32}]\n",
+     "unknown key 'arms.0.budegt'; accepted here: name, algorithm, budget"),
+    ("name: x\narms: [{name: a}]\ncost_mode: {enabeld: true}\n", "unknown key 'cost_mode.enabeld'"),
+    ("name: x\narms: [{name: a}\n", "line 3, column 1: not valid YAML"),
+    ("", "is empty"),
+    ("- 1\n- 2\n", "expected a mapping of keys"),
+    ("name: x\narms: [{name: a}]\ntemperature: -1\n", "temperature: Input should be greater"),
+    ("name: x\narms: [{name: a}]\nconcurrency: [0]\n", "concurrency levels must be >= 1"),
+])
+def test_bad_configs_end_in_one_line_naming_the_file(tmp_path, capsys, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    line = _error_line(capsys, ["--config", str(path), "--dry-run"])
+    assert str(path) in line and needle in line, line
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
+    cfg = write_config(tmp_path, launcher_module="no_such_module_would_fail_to_start")
+    assert serve_bench.main(["--config", str(cfg), "--dry-run", "--concurrency", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "3 arms x 2 replicas" in out and "16 requests at 2" in out
+    assert out.count("CUDA_VISIBLE_DEVICES=0 python -m no_such_module") == 6
+    assert "--speculative-num-draft-tokens 33" in out and not list(tmp_path.glob("logs"))
+
+
+def test_missing_paths_are_named_before_anything_starts(tmp_path, capsys):
+    cfg = write_config(tmp_path, model_path=str(tmp_path / "no_model"))
+    line = _error_line(capsys, ["--config", str(cfg), "--out", str(tmp_path / "o")])
+    assert "no_model not found" in line and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
@@ -159,12 +199,11 @@ def test_cost_runs_merge_and_report_needed_gain(tmp_path):
     assert "| 1 | 5.0 | 8.0 | 10.0 |" in md  # step-time pivot: batch, no-spec, dflash, ddtree
     assert "| 1 | 1.25 |" in md  # needed gain 10 / 8
     assert "PROJECTED" in md and "ddtree-b64: boom" in md
-    with pytest.raises(SystemExit):
-        serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"),
-                          "--merge-from", str(tmp_path / "1")])
-    with pytest.raises(SystemExit):  # a folder without results.json: a clear argparse error
-        serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"), "--report-only",
-                          "--merge-from", str(tmp_path / "nothing")])
+    assert serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"),
+                             "--merge-from", str(tmp_path / "1")]) == 2
+    # a folder without results.json: one clear line
+    assert serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"), "--report-only",
+                             "--merge-from", str(tmp_path / "nothing")]) == 2
 
 
 def test_cost_mode_checkpoints_load_strictly(tmp_path):
@@ -191,8 +230,8 @@ def test_cost_mode_checkpoints_load_strictly(tmp_path):
 
 def test_cost_mode_arm_filter_is_checked(tmp_path):
     cfg = ROOT / "configs" / "h200_cost_qwen3_8b.yaml"
-    with pytest.raises(SystemExit):
-        serve_bench.main(["--config", str(cfg), "--out", str(tmp_path), "--arms", "ddtree-b7"])
+    assert serve_bench.main(["--config", str(cfg), "--out", str(tmp_path),
+                             "--arms", "ddtree-b7"]) == 2
     names = [a.name for a in serve_bench.cost_arms(load_config(cfg))]
     assert names == ["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64",
                      "ddtree-b128", "ddtree-b256"]

@@ -6,10 +6,20 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
-class Arm(BaseModel):
+class ConfigError(ValueError):
+    """A benchmark config that cannot be used; the message names the file and the problem."""
+
+
+class _Strict(BaseModel):
+    """Unknown keys are refused by name: a misspelt key must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Arm(_Strict):
     """One server configuration to compare: no speculation, DFLASH, or DDTREE(B)."""
 
     name: str
@@ -25,7 +35,7 @@ class Arm(BaseModel):
         return self
 
 
-class Prompts(BaseModel):
+class Prompts(_Strict):
     """Local JSONL (testbed format: plain `prompt` or chat `messages`), or a datasets name."""
 
     source: str = "testbed/prompts.jsonl"
@@ -45,7 +55,7 @@ DATASETS = {"gsm8k": ("openai/gsm8k", "main", "test", "question"),
             "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt")}
 
 
-class CostMode(BaseModel):
+class CostMode(_Strict):
     """Random-weight Qwen3-8B-shaped target + 8B-DFlash-b16-shaped drafter: per-step cost."""
 
     enabled: bool = False
@@ -61,7 +71,7 @@ class CostMode(BaseModel):
                                     "(long enough that the batch stays full)")
 
 
-class BenchConfig(BaseModel):
+class BenchConfig(_Strict):
     name: str
     model_path: str = "testbed/target"
     draft_model_path: str = "testbed/drafter"
@@ -110,8 +120,47 @@ class BenchConfig(BaseModel):
         return self
 
 
+_SECTIONS = {"arms": Arm, "prompts": Prompts, "cost_mode": CostMode}
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """pydantic's errors as `key.path: message (got value)`, one per problem, '; '-joined."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "config"
+        if err["type"] == "extra_forbidden":
+            section = next((_SECTIONS[x] for x in reversed(err["loc"][:-1]) if x in _SECTIONS),
+                           BenchConfig)
+            parts.append(f"unknown key {where!r}; accepted here: "
+                         f"{', '.join(section.model_fields)}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = f" (got {err['input']!r})" if "input" in err and not isinstance(
+                err["input"], dict) else ""
+            parts.append(f"{where}: {msg}{got}")
+    return "; ".join(parts)
+
+
 def load_config(path: str | Path) -> BenchConfig:
+    """Read and validate a config; every problem raises ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"config {p} not found; see configs/*.yaml")
-    return BenchConfig(**yaml.safe_load(p.read_text()))
+        raise ConfigError(f"config {p} not found; see configs/*.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config {p}{where}: not valid YAML ({problem})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config {p}: cannot be read ({exc})") from None
+    if data is None:
+        raise ConfigError(f"config {p} is empty; see configs/*.yaml for the keys")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {p}: expected a mapping of keys (name:, arms:, ...), got a "
+                          f"{type(data).__name__}")
+    try:
+        return BenchConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(f"config {p}: {describe_errors(exc)}") from None

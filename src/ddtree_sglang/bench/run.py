@@ -1,0 +1,380 @@
+"""DDTREE vs DFLASH vs no speculation in the real SGLang server, on one GPU or many.
+
+    python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out benchmarks/results/h200_testbed
+    python benchmarks/serve_bench.py --config configs/h200_cost_qwen3_8b.yaml --out benchmarks/results/h200_cost
+
+Every arm runs with the same settings (attention backend, CUDA graphs, page size, overlap,
+memory fraction) as one single-GPU server per entry of `gpus` (CUDA_VISIBLE_DEVICES), requests
+spread round-robin, through the OpenAI endpoint (`endpoint: openai`, the default) or SGLang's
+/generate (`endpoint: native`).  For each concurrency level (per replica) it records output
+tokens/s, TPOT p50/p90, TTFT p50 and the accept length; at temperature 0 it compares every arm's outputs
+with the no-speculation arm (run last, so its server can score divergences).  Writes
+results.json, results.md and PNG plots to --out.  Servers are stopped on success, failure and
+Ctrl-C.  With `cost_mode.enabled` it instead measures per-step cost on random Qwen3-8B-shaped
+weights and writes a projected-speedup table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ddtree_sglang.bench import client, compare, cost_mode, profile, report
+from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
+                                        load_config)
+from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
+from ddtree_sglang.cli import positive_int_list
+from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
+
+
+def load_prompts(cfg: BenchConfig) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_abs(cfg.model_path))
+    src = cfg.prompts.source
+    if src.endswith(".jsonl"):
+        rows = read_prompts(_abs(src))
+    else:  # needs network for the first download
+        import datasets
+
+        name, subset, split, field = DATASETS[src]
+        ds = datasets.load_dataset(name, subset, split=split)
+        rows = [dict(kind="chat", messages=[dict(role="user", content=r[field])]) for r in ds]
+    return [encode_prompt(tok, r) for r in rows[: cfg.prompts.limit]]
+
+
+def _abs(p: str) -> str:
+    """Config paths are relative to the directory the benchmark is started from."""
+    return str(Path(p).resolve())
+
+
+def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) -> ServerSpec:
+    return ServerSpec(
+        model_path=model, name=arm.name, algorithm=arm.algorithm,
+        draft_model_path=drafter if arm.algorithm else None,
+        num_draft_tokens=(arm.budget + 1) if arm.algorithm == "DDTREE" else None,
+        attention_backend=cfg.attention_backend, dtype=cfg.dtype,
+        mem_fraction_static=cfg.mem_fraction_static, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+        disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
+        max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
+        max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
+        extra_args=list(extra), launcher_module=cfg.launcher_module)
+
+
+def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:
+    """One server per entry of cfg.gpus, launched (not awaited); all stop when `stack` closes."""
+    servers = [Server(spec, out / "logs" / f"{spec.name}_r{i}_gpu{g}.log", gpu=str(g))
+               for i, g in enumerate(cfg.gpus)]
+    for s in servers:
+        s.launch()
+        stack.callback(s.stop)
+    return servers
+
+
+def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
+    """Yield (arm, servers, error) in order, the servers healthy or None with the error.
+
+    `cfg.startup_group` arms are launched together, so their kernel compilation and graph
+    capture overlap; each arm is then measured alone and its servers stop before the next.
+    """
+    g = cfg.startup_group
+    for i in range(0, len(arms), g):
+        with ExitStack() as stack:
+            group = [(arm, launch_replicas(stack, cfg, spec_of(arm), out)) for arm in arms[i:i + g]]
+            errors = {}
+            for arm, servers in group:  # all healthy before any is measured: no capture beside it
+                try:
+                    for s in servers:
+                        s.wait_healthy(cfg.startup_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the other arms still run
+                    errors[arm.name] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+                    for s in servers:
+                        s.stop()
+            for arm, servers in group:
+                yield (arm, None, errors[arm.name]) if arm.name in errors else (arm, servers, None)
+                for s in servers:
+                    s.stop()
+
+
+def requests_for(cfg: BenchConfig, conc: int) -> int:
+    per = cfg.requests_per_level or max(2 * conc, 8)
+    return per * len(cfg.gpus)
+
+
+def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict:
+    """Every arm, every concurrency level; `save(results)` is called after each arm."""
+    from tqdm import tqdm
+
+    prompts = load_prompts(cfg)
+    params = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
+    ref = next((a for a in cfg.arms if a.algorithm is None), None)
+    order = [a for a in cfg.arms if a is not ref] + ([ref] if ref else [])
+    rows, outputs, failures, correctness = [], {}, {}, {}
+    results = dict(meta=_meta(cfg, command, ref.name if ref else None), rows=rows,
+                   correctness=correctness, failures=failures)
+    arms = started_arms(cfg, order, lambda a: server_spec(cfg, a, model, drafter), out)
+    with closing(arms):
+        for arm, servers, error in arms:
+            if error:
+                failures[arm.name] = error
+                continue
+            urls = [s.url for s in servers]
+            client.run_level(urls, prompts, params, 2, 2 * len(urls),  # warm-up (JIT, graphs)
+                             endpoint=cfg.endpoint)
+            greedy = {}
+            for conc in cfg.concurrency:
+                n = requests_for(cfg, conc)
+                with tqdm(total=n, desc=f"{arm.name} c={conc}", leave=False) as bar:
+                    res, wall = client.run_level(urls, prompts, params, conc, n, bar,
+                                                 endpoint=cfg.endpoint)
+                row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget,
+                           concurrency=conc, **client.summarize(res, wall))
+                if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
+                    acc = [a for a in map(client.server_accept_length, urls) if a is not None]
+                    row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                for r in res:
+                    if r.error is None:
+                        greedy.setdefault(r.prompt_index, r.output_ids)
+            outputs[arm.name] = greedy
+            if arm is ref and cfg.temperature == 0:
+                for other, outs in outputs.items():
+                    if other != ref.name:
+                        correctness[other] = compare.compare_to_reference(
+                            prompts, outs, greedy, urls[0])
+            if save:
+                save(results)
+    return results
+
+
+def cost_arms(cfg: BenchConfig) -> list[Arm]:
+    return [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
+        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets]
+
+
+def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None,
+                  save=None) -> dict:
+    cm = cfg.cost_mode
+    target, drafter = cost_mode.write_random_models(cm.workdir)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 150000) for _ in range(cm.prompt_len)] for _ in range(64)]
+    params = dict(temperature=0.0, max_new_tokens=cm.new_tokens, ignore_eos=True)
+    order = [a for a in cost_arms(cfg) if only is None or a.name in only]
+    rows, failures = [], {}
+    results = dict(meta=_meta(cfg, command, "no-spec"), cost_rows=[], failures=failures)
+    one_gpu = cfg.model_copy(update=dict(gpus=cfg.gpus[:1]))
+    spec_of = lambda a: server_spec(cfg, a, str(target), str(drafter),  # noqa: E731
+                                    extra=["--skip-tokenizer-init"])
+    arms = started_arms(one_gpu, order, spec_of, out)
+    with closing(arms):
+        for arm, servers, error in arms:
+            if error:
+                failures[arm.name] = error
+                continue
+            url = [servers[0].url]
+            client.run_level(url, prompts, params, 2, 2)
+            for bs in cm.batch_sizes:
+                res, wall = client.run_level(url, prompts, params, bs, bs)
+                row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget,
+                           batch_size=bs, step_ms=cost_mode.step_time_ms(res),
+                           errors=sum(r.error is not None for r in res))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for bs in cm.profile_batches:
+                key = f"{arm.name}@{bs}"
+                try:
+                    results.setdefault("profiles", {})[key] = profile_level(
+                        url, prompts, cm, bs, out / "traces" / key)
+                except Exception as exc:  # noqa: BLE001 - a failed profile is reported, not fatal
+                    failures[f"profile {key}"] = f"{type(exc).__name__}: {exc}"[:300]
+            results["cost_rows"] = cost_mode.projection(rows)
+            if save:
+                save(results)
+    results["cost_rows"] = cost_mode.projection(rows)
+    return results
+
+
+def profile_level(url: list[str], prompts, cm, bs: int, trace_dir: Path) -> dict:
+    """Keep `bs` long requests in flight, profile `cm.profile_steps` decode steps once every
+    request is past its prefill, and reduce the trace to a kernel table."""
+    params = dict(temperature=0.0, max_new_tokens=cm.profile_new_tokens, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(client.run_level, url, prompts, params, bs, bs)
+        time.sleep(1.0 + 0.03 * bs)  # prefill of bs x prompt_len tokens is done by then
+        profile.start_profile(url[0], trace_dir, cm.profile_steps)
+        load.result()
+    table = profile.kernel_table(profile.read_trace(profile.wait_for_trace(trace_dir)),
+                                 cm.profile_steps)
+    print(json.dumps({"profile": trace_dir.name, "span_ms": table["span_ms"],
+                      "idle_ms": table["idle_ms"], "stages": table["stages"]}), flush=True)
+    return table
+
+
+def merge_results(a: dict, b: dict) -> dict:
+    """`a` plus the arms of `b` (arms measured in both keep `a`'s rows); the projection is
+    recomputed over all cost rows."""
+    key = "cost_rows" if "cost_rows" in a else "rows"
+    have = {r["arm"] for r in a[key]}
+    rows = a[key] + [r for r in b.get(key, []) if r["arm"] not in have]
+    out = dict(a, **{key: cost_mode.projection(rows) if key == "cost_rows" else rows})
+    measured = {r["arm"] for r in rows}
+    out["failures"] = {k: v for k, v in {**b.get("failures", {}), **a.get("failures", {})}.items()
+                       if k not in measured}
+    if "correctness" in a:
+        out["correctness"] = {**b.get("correctness", {}), **a["correctness"]}
+    out["meta"] = dict(a["meta"], merged_from=[*a["meta"].get("merged_from", []),
+                                               dict(command=b["meta"]["command"],
+                                                    commit=b["meta"].get("commit"))])
+    return out
+
+
+def write(results: dict, out: Path) -> str:
+    """results.json and results.md (also after each arm, so a cut-short run keeps its data)."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = cost_mode.markdown(results) if "cost_rows" in results else report.markdown(results)
+    (out / "results.md").write_text(md)
+    if results.get("profiles"):
+        m = results["meta"]
+        (out / "profile.md").write_text(profile.markdown(
+            results["profiles"], f"# Decode-step GPU profile, {m['device']}, {m['date']}\n\n"
+            f"Command: `{m['command']}`, commit `{m.get('commit', '?')}`. Torch profiler through "
+            "SGLang's /start_profile, steady load of `batch` requests; cells are arm@batch."))
+    return md
+
+
+def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        device = "unknown"
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=Path.cwd(),
+                                capture_output=True, text=True).stdout.strip() or "?"
+    except OSError:
+        commit = "?"
+    return dict(name=cfg.name, device=device, date=time.strftime("%Y-%m-%d"), commit=commit,
+                command=command, replicas=len(cfg.gpus), gpus=cfg.gpus,
+                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                reference_arm=reference, config=cfg.model_dump())
+
+
+def plan(cfg: BenchConfig, only: list[str] | None) -> str:
+    """What a run would do, without starting anything (--dry-run)."""
+    if cfg.cost_mode.enabled:
+        cm = cfg.cost_mode
+        arms = [a for a in cost_arms(cfg) if only is None or a.name in only]
+        model, drafter = (f"{cm.workdir}/qwen3_8b_random", f"{cm.workdir}/qwen3_8b_dflash_random")
+        levels = (f"cost mode: batch sizes {cm.batch_sizes}, prompt {cm.prompt_len} tokens, "
+                  f"{cm.new_tokens} new tokens; random Qwen3-8B-shaped weights written to "
+                  f"{cm.workdir}" + (f"; profiled at batch {cm.profile_batches}"
+                                      if cm.profile_batches else ""))
+        gpus = cfg.gpus[:1]
+    else:
+        arms = cfg.arms
+        model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
+        levels = (f"concurrency {cfg.concurrency} per replica, "
+                  + ", ".join(f"{requests_for(cfg, c)} requests at {c}" for c in cfg.concurrency)
+                  + f"; {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
+                    f"{cfg.endpoint} endpoint, prompts {cfg.prompts.source} (first "
+                    f"{cfg.prompts.limit})")
+        gpus = cfg.gpus
+    lines = [f"config {cfg.name}: {len(arms)} arms x {len(gpus)} replicas (GPUs {gpus}), "
+             f"{min(cfg.startup_group, len(arms))} arm(s) started together", levels, "servers it would start:"]
+    for arm in arms:
+        extra = ["--skip-tokenizer-init"] if cfg.cost_mode.enabled else []
+        spec = server_spec(cfg, arm, model, drafter, extra=extra)
+        for g in gpus:
+            lines.append(f"  [{arm.name}, GPU {g}] CUDA_VISIBLE_DEVICES={g} python "
+                         + " ".join(spec.cli(port=0)[1:]).replace("--port 0", "--port <free>"))
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> int:
+    print(f"serve_bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="serve_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="configs/*.yaml")
+    ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")
+    ap.add_argument("--concurrency", type=positive_int_list, help="override, e.g. 1,4,16")
+    ap.add_argument("--gpus", type=positive_int_list, help="override the replica GPUs, e.g. 0,1,2,3")
+    ap.add_argument("--arms", help="only these arm names, e.g. no-spec,ddtree-b32")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate the config and print the plan; start nothing")
+    ap.add_argument("--report-only", action="store_true", help="re-render results.json")
+    ap.add_argument("--merge-from", type=Path, action="append", default=[], metavar="DIR",
+                    help="with --report-only: add the arms of DIR/results.json (runs split over "
+                         "several calls, e.g. with --arms) before rendering")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        updates = {}
+        if args.concurrency:
+            updates["concurrency"] = args.concurrency
+        if args.gpus:
+            updates["gpus"] = args.gpus
+        keep = args.arms.split(",") if args.arms else None
+        if keep:
+            names = [a.name for a in (cost_arms(cfg) if cfg.cost_mode.enabled else cfg.arms)]
+            unknown = set(keep) - set(names)
+            if unknown:
+                return _fail(f"unknown arms {sorted(unknown)}; this config has {names}")
+            if not cfg.cost_mode.enabled:
+                updates["arms"] = [a for a in cfg.arms if a.name in keep]
+        cfg = BenchConfig(**{**cfg.model_dump(), **updates})
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except ValidationError as exc:
+        return _fail(f"after the command-line overrides: {describe_errors(exc)}")
+    if args.dry_run:
+        print(plan(cfg, keep))
+        return 0
+    if args.out is None:
+        return _fail("--out is required (the results folder), except with --dry-run")
+    if args.merge_from and not args.report_only:
+        return _fail("--merge-from needs --report-only")
+    missing = [str(d / "results.json") for d in [args.out, *args.merge_from]
+               if args.report_only and not (d / "results.json").is_file()]
+    if missing:
+        return _fail(f"--report-only reads results.json from --out and each --merge-from "
+                     f"folder; missing: {', '.join(missing)}")
+    if not args.report_only and not cfg.cost_mode.enabled:
+        needed = [cfg.model_path, *([cfg.draft_model_path] if any(a.algorithm for a in cfg.arms)
+                                    else []),
+                  *([cfg.prompts.source] if cfg.prompts.source.endswith(".jsonl") else [])]
+        absent = [p for p in needed if not Path(_abs(p)).exists()]
+        if absent:
+            return _fail(f"{', '.join(absent)} not found (relative paths are read from "
+                         f"{Path.cwd()}); run from the repository root or use absolute paths")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stop_servers_on_sigterm()
+    command = "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.report_only:
+        results = json.loads((args.out / "results.json").read_text())
+        for d in args.merge_from:
+            results = merge_results(results, json.loads((d / "results.json").read_text()))
+    elif cfg.cost_mode.enabled:
+        results = run_cost_mode(cfg, args.out, command, keep, save=lambda r: write(r, args.out))
+    else:
+        results = run_throughput(cfg, args.out, command, save=lambda r: write(r, args.out))
+    md = write(results, args.out)
+    if "rows" in results:
+        report.plots(results, args.out)
+    print(md)
+    return 1 if results.get("failures") else 0
