@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ddtree_sglang.acceptance import accept_tree
-from ddtree_sglang.cli import positive_int_list
+from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
 from ddtree_sglang.layout import build_verify_layout, full_mask
 from ddtree_sglang.reference.heap import heap_tree
 from ddtree_sglang.tree import build_draft_tree
@@ -102,18 +102,20 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="tree_build", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=positive_int_list, default=[1, 8, 32, 64])
     ap.add_argument("--budgets", type=positive_int_list, default=[16, 32, 64, 128, 256, 512])
-    ap.add_argument("--depth", type=int, default=15, help="draft depth L = block_size - 1")
-    ap.add_argument("--vocab", type=int, default=151936, help="Qwen3 vocabulary by default")
-    ap.add_argument("--ctx", type=int, default=1024, help="committed length per request")
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--heap-reps", type=int, default=5)
+    ap.add_argument("--depth", type=positive_int, default=15, help="draft depth L = block_size - 1")
+    ap.add_argument("--vocab", type=positive_int, default=151936, help="Qwen3 vocabulary by default")
+    ap.add_argument("--ctx", type=positive_int, default=1024, help="committed length per request")
+    ap.add_argument("--iters", type=positive_int, default=200)
+    ap.add_argument("--heap-reps", type=positive_int, default=5)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tree_build.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("tree_build.py needs a CUDA GPU")
+        raise CliError("this benchmark times CUDA graph replays and needs a CUDA GPU; none is "
+                       "visible on this machine")
     rows = []
     for batch in args.batches:
         for budget in args.budgets:
@@ -139,4 +141,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run(main, "tree_build"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,11 +19,12 @@ import torch
 import train_testbed as tt  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from testbed_drafter import drafter_accuracy, log  # noqa: E402
 
-from ddtree_sglang.cli import positive_int  # noqa: E402
+from ddtree_sglang.cli import CliError, Parser, positive_int, require_cuda, run  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="drafter_accuracy", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--testbed", type=Path, default=Path("testbed"))
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="stdlib")
     ap.add_argument("--seqs", type=positive_int, default=128, help="continuations per side")
@@ -30,6 +32,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    require_cuda(args.device)
+    for need in ("target/config.json", "drafter/config.json"):
+        if not (args.testbed / need).is_file():
+            raise CliError(f"--testbed {args.testbed}: {need} is missing (a testbed holds "
+                           f"target/ and drafter/)")
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from ddtree_sglang.reference.drafter import DFlashDrafter
@@ -55,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, "drafter_accuracy"))

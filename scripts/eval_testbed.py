@@ -17,22 +17,26 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ddtree_sglang.cli import positive_int_list  # noqa: E402
-from ddtree_sglang.reference.testbed import load_testbed  # noqa: E402
-from ddtree_sglang.sampling import SamplingParams  # noqa: E402
+from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, require_cuda, run
+from ddtree_sglang.reference.testbed import TestbedError, load_testbed
+from ddtree_sglang.sampling import SamplingParams
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="eval_testbed", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--testbed", type=Path, default=Path("testbed"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/testbed_acceptance.json"))
     ap.add_argument("--budgets", type=positive_int_list, default=[8, 16, 32, 64, 128])
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--prompts", type=positive_int, default=16)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=96)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    tb = load_testbed(args.testbed, device=args.device)
+    require_cuda(args.device)
+    try:
+        tb = load_testbed(args.testbed, device=args.device)
+    except TestbedError as exc:
+        raise CliError(f"--testbed: {exc}") from None
     rows = tb.prompts[: args.prompts]
     encoded = [tb.encode(r) for r in rows]
     spec = tb.speculator
@@ -70,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, "eval_testbed"))

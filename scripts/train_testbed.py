@@ -47,13 +47,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
-from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint,  # noqa: E402
-                                         load_dflash_config, untappable_layers)
-from ddtree_sglang.reference.drafter import DFlashDrafter  # noqa: E402
-from testbed_drafter import (drafter_accuracy, log, lr_at, optimizer_step,  # noqa: E402
-                             train_drafter)
+from ddtree_sglang.cli import (Parser, finite_float, non_negative_float, non_negative_int,
+                               positive_float, positive_int, positive_int_list, require_cuda, run)
+from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
+                                         untappable_layers)
+from ddtree_sglang.reference.drafter import DFlashDrafter
+from testbed_drafter import (drafter_accuracy, log, lr_at, optimizer_step,  # scripts/ is on
+                             train_drafter)                                 # sys.path as a script
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -230,16 +230,17 @@ def write_prompts(held: list[Path], out: Path, n_plain: int = 24, n_chat: int = 
 
 def main() -> None:
     global DEV_TYPE, TAPS, LAYERS, DRAFT_LAYERS
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="train_testbed", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/testbed_work"))
     ap.add_argument("--out", type=Path, default=Path("testbed"))
-    ap.add_argument("--target-seconds", type=float, default=200)
-    ap.add_argument("--drafter-seconds", type=float, default=200)
+    ap.add_argument("--target-seconds", type=positive_float, default=200)
+    ap.add_argument("--drafter-seconds", type=positive_float, default=200)
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="all",
                     help="stdlib: v1's corpus (2.8 M tokens); all: + installed packages (~18 M)")
     ap.add_argument("--gen-seqs", type=positive_int, default=4096, help="target continuations for the drafter")
     ap.add_argument("--gen-batch", type=positive_int, default=256, help="continuations generated per batch")
-    ap.add_argument("--real-seqs", type=int, default=0,
+    ap.add_argument("--real-seqs", type=non_negative_int, default=0,
                     help="corpus windows added to the drafter data (v1: as many as --gen-seqs)")
     ap.add_argument("--drafter-batch", type=positive_int, default=32)
     ap.add_argument("--held-seqs", type=positive_int, default=128,
@@ -250,27 +251,28 @@ def main() -> None:
                     help=f"target decoder layers (v1-v3: {LAYERS})")
     ap.add_argument("--draft-layers", type=positive_int, default=DRAFT_LAYERS,
                     help=f"drafter decoder layers (v1-v3: {DRAFT_LAYERS})")
-    ap.add_argument("--sampled-every", type=int, default=4,
+    ap.add_argument("--sampled-every", type=non_negative_int, default=4,
                     help="one continuation batch in N is sampled at T = 1, the rest greedy (0: none)")
     ap.add_argument("--anchor-min", type=positive_int, default=1,
                     help="first anchor position for drafter training (64: continuation only)")
-    ap.add_argument("--soft-weight", type=float, default=0.0,
+    ap.add_argument("--soft-weight", type=finite_float, default=0.0,
                     help="share of the drafter loss taken against the target's distribution (0..1)")
-    ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--drafter-lr", type=positive_float, default=2e-3)
     ap.add_argument("--keep-best", action="store_true",
                     help="check the drafter on fresh continuations of training files every 1000 "
                          "steps and keep the best checkpoint")
     ap.add_argument("--init-from", type=Path,
                     help="an exported testbed: keep its tokenizer and target, start the drafter "
                          "from its weights (its layer counts and taps replace the flags)")
-    ap.add_argument("--finish-by", type=float, default=0,
+    ap.add_argument("--finish-by", type=non_negative_float, default=0,
                     help="Unix time by which the run must have exported: the drafter stage is "
                          "shortened to fit (for device calls with a hard limit)")
     ap.add_argument("--tokenize-only", action="store_true",
                     help="stop after the tokenizer and the token cache (to share them between runs)")
-    ap.add_argument("--max-files", type=int, default=0, help="limit the corpus (smoke tests)")
+    ap.add_argument("--max-files", type=non_negative_int, default=0, help="limit the corpus (smoke tests)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    require_cuda(args.device)
     TAPS, LAYERS, DRAFT_LAYERS = tuple(args.taps), args.target_layers, args.draft_layers
     if args.init_from:
         try:
@@ -406,4 +408,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, "train_testbed"))

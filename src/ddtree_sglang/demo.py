@@ -4,45 +4,111 @@
     ddtree-demo --budget 64 --prompts 8 --temperature 1.0
 
 Runs the pure-PyTorch reference loop (no GPU, no SGLang), prints one table (acceptance length
-tau, tokens/s, tokens per target forward) and the decoded text of one sample.
+tau, tokens/s, tokens per target forward) and the decoded text of one sample.  Every limit is
+checked before generating: the budget against the tree's distinct prefixes and this machine's
+free memory, the output length against the target's positions.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 from pathlib import Path
 
 import torch
 
+from ddtree_sglang.cli import CliError, Parser, finite_float, non_negative_int, positive_int, run
+
+PROG = "ddtree-demo"
+
+
+def free_memory_bytes() -> int:
+    """Memory available to this process now (Linux: MemAvailable), or a large number."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def verify_bytes(budget: int, context: int, config) -> int:
+    """Rough peak of one tree verify in the float32 reference loop: logits and softmax copies
+    over the vocabulary, attention scores and masks over the context, per tree node."""
+    width = budget + 1
+    heads = int(getattr(config, "num_attention_heads", 8))
+    return width * 4 * (4 * int(config.vocab_size) + 3 * heads * (context + width))
+
+
+def check_limits(args, tb, prompts: list[list[int]]) -> None:
+    from ddtree_sglang.tree import check_budget
+
+    spec = tb.speculator
+    depth, vocab = spec.cfg.block_size - 1, int(spec.target.config.vocab_size)
+    try:
+        check_budget(args.budget, depth, vocab)
+    except ValueError as exc:
+        raise CliError(f"--budget {args.budget}: {exc}") from None
+    longest = max(len(p) for p in prompts)
+    room = spec.max_new_tokens_for(longest)
+    if args.max_new_tokens > room:
+        raise CliError(f"--max-new-tokens {args.max_new_tokens}: the longest selected prompt has "
+                       f"{longest} tokens and the target {spec.max_positions} positions; "
+                       f"accepted: 1..{room}")
+    context = longest + args.max_new_tokens + spec.cfg.block_size
+    free = free_memory_bytes()
+    need = verify_bytes(args.budget, context, spec.target.config)
+    if need > free // 2:
+        fits = max(b for b in range(1, args.budget + 1)
+                   if b == 1 or verify_bytes(b, context, spec.target.config) <= free // 2)
+        raise CliError(f"--budget {args.budget}: one tree verify needs about {need / 2**30:.1f} "
+                       f"GiB here and {free / 2**30:.1f} GiB is free; accepted on this machine: "
+                       f"1..{fits}")
+
 
 def main(argv: list[str] | None = None) -> int:
+    return run(lambda: _main(argv), PROG)
+
+
+def _main(argv: list[str] | None) -> int:
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
 
-    from ddtree_sglang.reference.testbed import DEFAULT_TESTBED, load_testbed
+    from ddtree_sglang.reference.testbed import DEFAULT_TESTBED, TestbedError, load_testbed
     from ddtree_sglang.sampling import SamplingParams
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--testbed", type=Path, default=DEFAULT_TESTBED)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=32, help="DDTree tree budget B (>= 1)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    ap = Parser(prog=PROG, description=__doc__,
+                formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    ap.add_argument("--testbed", type=Path, default=DEFAULT_TESTBED,
+                    help="folder with target/, drafter/, prompts.jsonl (default: the shipped one)")
+    ap.add_argument("--prompts", type=positive_int, default=4, help="how many prompts (from the top)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    ap.add_argument("--budget", type=positive_int, default=32, help="DDTree tree budget B")
+    ap.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
+    ap.add_argument("--threads", type=non_negative_int, default=0,
+                    help="torch CPU threads (0 = torch's default)")
     args = ap.parse_args(argv)
-    if args.budget < 1:
-        ap.error(f"--budget must be >= 1, got {args.budget}")
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        ap.error("--prompts and --max-new-tokens must be >= 1")
     try:
         sampling = SamplingParams(temperature=args.temperature)
     except ValueError as exc:
-        ap.error(str(exc))
+        raise CliError(f"--temperature: {exc}") from None
     if args.threads:
-        torch.set_num_threads(args.threads)
-    tb = load_testbed(args.testbed)
+        torch.set_num_threads(min(args.threads, os.cpu_count() or args.threads))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weight-loading bars would bury the table
+    try:
+        tb = load_testbed(args.testbed)
+    except TestbedError as exc:
+        raise CliError(f"--testbed: {exc}") from None
+    if args.prompts > len(tb.prompts):
+        raise CliError(f"--prompts {args.prompts}: {args.testbed / 'prompts.jsonl'} holds "
+                       f"{len(tb.prompts)}; accepted: 1..{len(tb.prompts)}")
     prompts = [tb.encode(r) for r in tb.prompts[: args.prompts]]
+    if min(len(p) for p in prompts) == 0:
+        raise CliError(f"{args.testbed / 'prompts.jsonl'}: a selected prompt encodes to no tokens")
+    check_limits(args, tb, prompts)
     modes = [("autoregressive", "ar", 0), ("DFlash chain", "chain", 0),
              (f"DDTree B={args.budget}", "ddtree", args.budget)]
     rows, sample = [], {}
@@ -59,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 accept += res.accept_lens
                 sample.setdefault(label, res.tokens)
                 bar.update(1)
-            rows.append((label, sum(accept) / max(1, len(accept)), toks / secs, toks / fwd))
+            rows.append((label, sum(accept) / max(1, len(accept)), toks / max(secs, 1e-9),
+                         toks / fwd))
     table = Table(title=f"testbed, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                         f"temperature {args.temperature}, CPU")
     for col in ("mode", "tau (tokens / verify step)", "tokens/s", "tokens per target forward"):

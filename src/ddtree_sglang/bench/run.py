@@ -32,7 +32,7 @@ from ddtree_sglang.bench import client, compare, cost_mode, profile, report
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
-from ddtree_sglang.cli import positive_int_list
+from ddtree_sglang.cli import Parser, positive_int_list
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
 
 
@@ -308,7 +308,7 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="serve_bench", description=__doc__,
+    ap = Parser(prog="serve_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="configs/*.yaml")
     ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")

@@ -63,6 +63,15 @@ class ReferenceSpeculator:
                              f"accepted: 0..{n_layers - 2} (the last layer cannot be tapped)")
 
     @property
+    def max_positions(self) -> int:
+        return int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
+
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        """Most new tokens a prompt can get: every position a step touches stays inside the
+        target's position range."""
+        return max(0, self.max_positions - prompt_len - self.cfg.block_size)
+
+    @property
     def device(self) -> torch.device:
         return next(self.target.parameters()).device
 
@@ -106,6 +115,12 @@ class ReferenceSpeculator:
             raise ValueError(f"mode must be one of ar, chain, ddtree; got {mode!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        room = self.max_new_tokens_for(len(prompt))
+        if max_new_tokens > room:
+            raise ValueError(f"a {len(prompt)}-token prompt leaves room for {room} new tokens in "
+                             f"the target's {self.max_positions} positions (a step reads "
+                             f"{self.cfg.block_size} past the output); got max_new_tokens "
+                             f"{max_new_tokens}")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         state = _History(penalties, self.lm_head.weight.shape[0], self.device)
         t0 = time.perf_counter()

@@ -36,8 +36,35 @@ def encode_prompt(tokenizer, row: dict) -> list[int]:
     return tokenizer.encode(row["prompt"], add_special_tokens=False)
 
 
+class TestbedError(ValueError):
+    """A testbed folder or prompts file that cannot be used; the message names the file."""
+
+    __test__ = False  # not a pytest class
+
+
 def read_prompts(path: str | Path) -> list[dict]:
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    """Rows of a prompts.jsonl: {"prompt": text} or {"kind": "chat", "messages": [...]}."""
+    p = Path(path)
+    if not p.is_file():
+        raise TestbedError(f"{p}: prompts file not found")
+    rows = []
+    for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TestbedError(f"{p} line {n}: not valid JSON ({exc.msg})") from None
+        chat = isinstance(row, dict) and row.get("kind") == "chat" and \
+            isinstance(row.get("messages"), list) and row["messages"] and \
+            isinstance(row["messages"][-1], dict) and "content" in row["messages"][-1]
+        if not (chat or (isinstance(row, dict) and isinstance(row.get("prompt"), str))):
+            raise TestbedError(f"{p} line {n}: expected {{\"prompt\": text}} or "
+                               f"{{\"kind\": \"chat\", \"messages\": [...]}}")
+        rows.append(row)
+    if not rows:
+        raise TestbedError(f"{p}: no prompts in the file")
+    return rows
 
 
 def load_testbed(path: str | Path = DEFAULT_TESTBED, device: str = "cpu",
@@ -45,13 +72,18 @@ def load_testbed(path: str | Path = DEFAULT_TESTBED, device: str = "cpu",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = Path(path)
-    if not (root / "target" / "config.json").is_file():
-        raise FileNotFoundError(f"{root}: no testbed here (expected target/, drafter/, prompts.jsonl)")
+    if not root.is_dir():
+        raise TestbedError(f"{root}: no such directory (a testbed holds target/, drafter/ and "
+                           f"prompts.jsonl; the shipped one is {DEFAULT_TESTBED})")
+    for need in ("target/config.json", "drafter/config.json", "prompts.jsonl"):
+        if not (root / need).is_file():
+            raise TestbedError(f"{root}: {need} is missing (a testbed holds target/, drafter/ "
+                               f"and prompts.jsonl)")
+    prompts = read_prompts(root / "prompts.jsonl")
     tok = AutoTokenizer.from_pretrained(root / "target")
     target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=dtype,
                                                   attn_implementation="sdpa").to(device).eval()
     drafter = DFlashDrafter.from_pretrained(root / "drafter", dtype=dtype, device=device)
     eos = tuple(t for t in (tok.convert_tokens_to_ids("<|endoftext|>"),
                             tok.convert_tokens_to_ids("<|im_end|>")) if t is not None)
-    prompts = read_prompts(root / "prompts.jsonl")
     return Testbed(ReferenceSpeculator(target, drafter, eos_token_ids=eos), tok, prompts)

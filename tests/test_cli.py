@@ -1,0 +1,100 @@
+"""Every command-line tool ends bad input in one line naming the value or file, exit code 2,
+no traceback, before any long work starts."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_sglang import demo
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTBED = ROOT / "testbed"
+
+
+def one_error_line(capsys, call, prog: str) -> str:
+    try:
+        rc = call()
+    except SystemExit as exc:  # argparse's own refusals
+        rc = exc.code
+    assert rc == 2
+    err = [l for l in capsys.readouterr().err.strip().splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+def broken_testbed(tmp_path, prompts_text: str | None) -> Path:
+    """A copy of the testbed (links to its models) with the given prompts.jsonl content."""
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    (tb / "target").symlink_to(TESTBED / "target")
+    (tb / "drafter").symlink_to(TESTBED / "drafter")
+    if prompts_text is not None:
+        (tb / "prompts.jsonl").write_text(prompts_text)
+    return tb
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--threads", "-3"], "argument --threads: expected an integer >= 0; got '-3'"),
+    (["--budget", "0"], "argument --budget: expected a positive integer"),
+    (["--temperature", "inf"], "argument --temperature: expected a finite number; got 'inf'"),
+    (["--temperature", "nan"], "expected a finite number"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--prompts", "x"], "argument --prompts: expected a positive integer"),
+    (["--testbed", "/nonexistent/tb"], "/nonexistent/tb: no such directory"),
+])
+def test_demo_refuses_bad_arguments(capsys, argv, needle):
+    line = one_error_line(capsys, lambda: demo.main(argv), "ddtree-demo")
+    assert needle in line, line
+
+
+@pytest.mark.parametrize("prompts_text, needle", [
+    (None, "prompts.jsonl is missing"),
+    ("", "no prompts in the file"),
+    ("\n\n", "no prompts in the file"),
+    ('{"prompt": "ok"}\nnot json\n', "line 2: not valid JSON"),
+    ('{"text": "wrong key"}\n', 'line 1: expected {"prompt": text}'),
+])
+def test_demo_names_a_bad_prompts_file(tmp_path, capsys, prompts_text, needle):
+    tb = broken_testbed(tmp_path, prompts_text)
+    line = one_error_line(capsys, lambda: demo.main(["--testbed", str(tb)]), "ddtree-demo")
+    assert needle in line, line
+
+
+def test_demo_checks_limits_before_generating(capsys):
+    line = one_error_line(capsys, lambda: demo.main(["--budget", "1000000"]), "ddtree-demo")
+    assert "--budget 1000000: one tree verify needs about" in line and "accepted on this machine: 1.." in line
+    line = one_error_line(capsys, lambda: demo.main(["--max-new-tokens", "5000"]), "ddtree-demo")
+    assert "--max-new-tokens 5000" in line and "2048 positions; accepted: 1..1" in line
+    line = one_error_line(capsys, lambda: demo.main(["--prompts", "999"]), "ddtree-demo")
+    assert "holds 32; accepted: 1..32" in line
+
+
+def test_reference_loop_refuses_output_past_the_positions():
+    from ddtree_sglang.reference.testbed import load_testbed
+
+    spec = load_testbed(TESTBED).speculator
+    room = spec.max_new_tokens_for(100)
+    assert room == 2048 - 100 - spec.cfg.block_size
+    with pytest.raises(ValueError, match=f"leaves room for {room} new tokens"):
+        spec.generate([5] * 100, room + 1, mode="ar")
+
+
+@pytest.mark.parametrize("script, argv, needle", [
+    ("scripts/eval_testbed.py", ["--prompts", "0"], "argument --prompts: expected a positive integer"),
+    ("scripts/eval_testbed.py", ["--testbed", "/nonexistent"], "/nonexistent: no such directory"),
+    ("scripts/eval_testbed.py", ["--device", "cuda:0"], "no CUDA GPU is visible"),
+    ("scripts/drafter_accuracy.py", ["--seqs", "-1"], "argument --seqs: expected a positive integer"),
+    ("scripts/train_testbed.py", ["--target-seconds", "-5"], "argument --target-seconds: expected a number > 0"),
+    ("scripts/train_testbed.py", ["--soft-weight", "nan"], "expected a finite number"),
+    ("benchmarks/tree_build.py", ["--depth", "0"], "argument --depth: expected a positive integer"),
+    ("benchmarks/tree_build.py", [], "needs a CUDA GPU"),
+])
+def test_scripts_refuse_bad_input_in_one_line(script, argv, needle):
+    proc = subprocess.run([sys.executable, str(ROOT / script), *argv], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    err = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in proc.stderr, err
