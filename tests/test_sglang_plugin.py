@@ -71,6 +71,25 @@ def test_valid_arguments_resolve(plugin_loaded):
     assert sa.speculative_num_draft_tokens == 65
 
 
+def test_unset_attention_backend_gets_a_tree_capable_one(plugin_loaded, caplog, monkeypatch):
+    """SGLang fills the attention backend by itself (fa3 on Hopper, which cannot verify a
+    tree); with none given, DDTREE declares triton and says so."""
+    import logging
+
+    from sglang.srt.server_args import ServerArgs
+
+    # what SGLang picks on an H100/H200 (this CPU machine would get triton anyway)
+    monkeypatch.setattr(ServerArgs, "_get_default_attn_backend",
+                        lambda self, *a, **k: "fa3", raising=True)
+    assert make_args(attention_backend=None, speculative_algorithm=None,
+                     speculative_draft_model_path=None).attention_backend == "fa3"
+    with caplog.at_level(logging.INFO):
+        sa = make_args(attention_backend=None)
+    assert sa.attention_backend == "triton"
+    assert "no --attention-backend given; using triton" in caplog.text
+    assert make_args(attention_backend="flashinfer").attention_backend == "flashinfer"
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (dict(speculative_num_draft_tokens=8), "accepted: B in 15..1023"),
     (dict(speculative_num_draft_tokens=5000), "--speculative-num-draft-tokens 16..1024"),

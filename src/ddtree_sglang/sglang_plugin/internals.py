@@ -74,6 +74,8 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("tree_cache", "req_to_token_pool", "reqs", "req_pool_indices", "cur_kv_lens",
          "cur_kv_lens_cpu", "nxt_kv_lens", "nxt_kv_lens_cpu", "num_needed_tokens", "batch"),
     "sglang.srt.managers.schedule_batch.Req.update_finish_state": ("new_accepted_len",),
+    # server-argument resolution: declarations are applied at the end of __post_init__
+    "sglang.srt.arg_groups.overrides.run_post_process_pass": ("server_args", "fn"),
     # the KV pool's per-buffer base addresses and row bytes (see kv_move_buffers)
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._slot_move_pointer_buffers": (),
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_data_ptrs_and_strides": (),
@@ -224,6 +226,25 @@ def kv_move_buffers(allocator):
     rows = pool._slot_move_pointer_buffers()
     max_bytes = max(int(x[0].numel()) * x.element_size() for x in rows)
     return pool.data_ptrs, pool.data_strides, max_bytes
+
+
+def declare_server_args(server_args, fields: dict) -> None:
+    """Set server arguments from inside SGLang's argument resolution.
+
+    In 0.5.17 defaults filled during `ServerArgs.__post_init__` (the attention backend among
+    them) are declarations applied at its end, so a plain assignment made by a speculative
+    hook is overwritten; a declaration made here comes after SGLang's and wins.  Objects that
+    are not ServerArgs (tests) get the attributes set directly."""
+    if not hasattr(server_args, "_resolved_overrides"):
+        for name, value in fields.items():
+            setattr(server_args, name, value)
+        return
+    from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+    def ddtree_defaults(view) -> dict:
+        return dict(fields)
+
+    run_post_process_pass(server_args, ddtree_defaults)
 
 
 def decode_graph_config():

@@ -27,8 +27,17 @@ def _worker_factory(server_args):
 
 
 def _validate(server_args) -> None:
-    from ddtree_sglang.sglang_plugin.server_args import validate
+    """SGLang's validation hook for DDTREE (runs while SGLang resolves its arguments): pick a
+    tree-capable attention backend when the user named none, then check everything."""
+    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin.server_args import backend_to_default, validate
 
+    backend = backend_to_default(server_args)
+    if backend is not None:
+        internals.declare_server_args(server_args, {"attention_backend": backend})
+        logger.info("DDTREE: no --attention-backend given; using %s (SGLang's default on this "
+                    "GPU may not verify a draft tree; pass --attention-backend triton or "
+                    "flashinfer to choose)", backend)
     validate(server_args)
 
 

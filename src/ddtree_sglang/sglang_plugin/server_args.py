@@ -23,6 +23,9 @@ ALGORITHM = "DDTREE"
 DEFAULT_BUDGET = 32
 MAX_BUDGET = 1023
 TREE_BACKENDS = ("triton", "flashinfer")
+# Used when the user names no attention backend: SGLang's own default (fa3 on Hopper) cannot
+# verify a tree; triton is the backend every DDTREE benchmark and check ran with.
+DEFAULT_TREE_BACKEND = "triton"
 WHY_NOT = {
     "fa3": "FlashAttention-3 applies the tree mask only when the global EAGLE topk > 1, "
            "and is Hopper-only (not on sm_120)",
@@ -175,6 +178,15 @@ def tap_error(taps: tuple[int, ...], hf: dict) -> str | None:
     return (f"drafter dflash_config.target_layer_ids {list(taps)} names layers {bad} of a "
             f"{layers}-layer target; accepted: 0..{layers - 2} (SGLang cannot capture the "
             "last layer's output)")
+
+
+def backend_to_default(args: Any) -> str | None:
+    """The attention backend DDTREE chooses, or None when the user chose one (then validate()
+    judges it)."""
+    if any(_get(args, f) is not None for f in ("attention_backend", "decode_attention_backend",
+                                                "prefill_attention_backend")):
+        return None
+    return DEFAULT_TREE_BACKEND
 
 
 def validate(args: Any) -> None:
