@@ -1,6 +1,5 @@
 """Every command-line tool ends bad input in one line naming the value or file, exit code 2,
 no traceback, before any long work starts."""
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -222,3 +222,54 @@ def test_drafter_forward_keeps_its_embeds_dtype():
     assert model.forward(None, None, None, input_embeds=bf16.half())[1] == torch.float16
     with pytest.raises(AttributeError):  # no embeds: the model's own behaviour, untouched
         model.forward(None, None, None)
+
+
+def test_worker_reaches_sglang_and_the_core_through_one_seam():
+    """worker.py imports the core only through decode_step, graphed and sampling, and names
+    SGLang only through internals (whose names resolve against the installed SGLang)."""
+    import ast
+
+    from ddtree_sglang.sglang_plugin import internals
+
+    src = (ROOT / "src" / "ddtree_sglang" / "sglang_plugin" / "worker.py").read_text()
+    modules = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom):
+            modules.add(node.module)
+        elif isinstance(node, ast.Import):
+            modules |= {a.name for a in node.names}
+    core = {m for m in modules if m.startswith("ddtree_sglang") and
+            not m.startswith("ddtree_sglang.sglang_plugin")}
+    assert core == {"ddtree_sglang.decode_step", "ddtree_sglang.graphed", "ddtree_sglang.sampling"}
+    assert not {m for m in modules if m.startswith(("sglang", "sgl_kernel"))}
+    for name, path in internals.NAMES.items():
+        if not path.startswith("sgl_kernel"):  # imports only where CUDA is
+            assert getattr(internals, name) is internals.resolve(path)
+    with pytest.raises(AttributeError):
+        internals.NoSuchName  # noqa: B018
+    # and no other module of the package imports SGLang itself
+    direct = [str(f.relative_to(ROOT)) for f in (ROOT / "src" / "ddtree_sglang").rglob("*.py")
+              if f.name != "internals.py" and re.search(r"^\s*(from|import) (sglang|sgl_kernel)\b",
+                                                        f.read_text(), re.M)]
+    assert direct == []
+
+
+def test_missing_inherited_worker_state_is_named():
+    from ddtree_sglang.sglang_plugin import internals
+
+    class Worker:
+        device = draft_model_runner = model_runner = ps = target_worker = None
+        _mask_token_id = 0
+
+        def _ensure_draft_block_buffers(self, bs):
+            self._draft_block_ids_buf = self._draft_block_positions_buf = None
+            self._draft_verify_out_cache_loc_buf = None  # _draft_seq_lens_cpu_buf "renamed"
+
+    with pytest.raises(RuntimeError, match=r"lacks \['_draft_seq_lens_cpu_buf'\]"):
+        internals.check_inherited(Worker())
+    class Complete(Worker):
+        def _ensure_draft_block_buffers(self, bs):
+            super()._ensure_draft_block_buffers(bs)
+            self._draft_seq_lens_cpu_buf = None
+
+    internals.check_inherited(Complete())

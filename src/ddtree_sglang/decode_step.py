@@ -1,16 +1,53 @@
-"""The two fixed-shape stages of a DDTree decode step, engine-agnostic (the SGLang worker
-replays them from CUDA graphs): drafter logits -> tree + verify layout, and target choices ->
-acceptance in the form a KV-cache commit needs."""
+"""Everything a DDTree decode step computes, engine-agnostic; the SGLang worker calls only this
+module (plus `graphed` and `sampling`):
+
+* the two fixed-shape stages it replays from CUDA graphs: drafter logits -> tree + verify
+  layout (`tree_stage`, with the builder chosen by `select_builder`), and target choices ->
+  acceptance in the form a KV-cache commit needs (`accept_stage`);
+* the tree attention mask in SGLang's FULL_MASK format (`verify_mask`), the per-node penalties
+  (`penalise_nodes`), and the KV moves that put the accepted path at its committed positions
+  (`kv_moves`, `move_rows`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.kernels.kv_move import move_rows_triton as move_rows
 from ddtree_sglang.layout import VerifyLayout, build_verify_layout
-from ddtree_sglang.tree import build_draft_tree
+from ddtree_sglang.layout import full_mask as verify_mask
+from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
+from ddtree_sglang.tree import DraftTree, build_draft_tree
+
+__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "kv_moves", "move_rows",
+           "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
+
+Builder = Callable[[torch.Tensor, int], DraftTree]
+
+
+def select_builder(kernel: str, budget: int, depth: int) -> tuple[Builder, str]:
+    """The tree builder for `kernel` ("triton" or "torch") and its name.  The fused Triton
+    kernel covers budget <= 64 and depth <= 16; anything else uses the exact PyTorch builder,
+    which it reproduces bit for bit."""
+    if kernel == "triton":
+        from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported
+
+        if supported(budget, depth):
+            return build_draft_tree_triton, "triton"
+    return build_draft_tree, "torch"
+
+
+def penalise_nodes(logits: torch.Tensor, counts: torch.Tensor, out_len: torch.Tensor,
+                   params: PenaltyParams, tokens: torch.Tensor, parents: torch.Tensor,
+                   depths: torch.Tensor, max_depth: int) -> None:
+    """In place on [bs, N, V] node logits: each node's penalties as plain decoding would apply
+    them there - the request's output counts plus the node's own path (penalties.py)."""
+    paths = path_tokens(tokens, parents, depths, max_depth)
+    apply_tree_penalties(logits, counts, out_len, params, paths, depths)
 
 
 def tree_stage(draft_logits: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,

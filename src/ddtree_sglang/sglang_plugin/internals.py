@@ -89,7 +89,62 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": ("new_accepted_len",),
     "sglang.srt.managers.schedule_batch.Req._check_token_based_finish":
         ("new_accepted_tokens",),
+    "sglang.srt.model_executor.forward_batch_info.ForwardMode.TARGET_VERIFY": (),
+    "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.FULL": (),
+    "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.NULL": (),
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.DFLASH": (),
 }
+
+# The SGLang names the worker uses, as `internals.<short name>` (resolved on first use).  Every
+# sglang path is a CONTRACT entry or the class of one, so check_contract() has vouched for it;
+# the two sgl_kernel functions are that package's public API (it imports only on a GPU machine).
+NAMES = {
+    "DFlashWorkerV2": "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2",
+    "DFlashDraftInputV2": "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2",
+    "GenerationBatchResult": "sglang.srt.managers.utils.GenerationBatchResult",
+    "ForwardBatch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
+    "ForwardMode": "sglang.srt.model_executor.forward_batch_info.ForwardMode",
+    "CaptureHiddenMode": "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
+    "SpeculativeAlgorithm": "sglang.srt.speculative.spec_info.SpeculativeAlgorithm",
+    "EagleVerifyInput": "sglang.srt.speculative.eagle_info.EagleVerifyInput",
+    "eagle_prepare_for_verify": "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
+    "move_accept_tokens_to_target_kvcache":
+        "sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache",
+    "apply_dflash_verify_logits_adjustments":
+        "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments",
+    "prepare_dflash_draft_block":
+        "sglang.kernels.ops.speculative.dflash._prepare_dflash_draft_block_unchecked",
+    "make_draft_block_spec_info":
+        "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",
+    "build_block_pos_offsets": "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
+    "top_k_renorm_prob": "sgl_kernel.top_k_renorm_prob",
+    "top_p_renorm_prob": "sgl_kernel.top_p_renorm_prob",
+}
+
+# What DDTreeWorker reads from DFlashWorkerV2's instance state (checked once it exists).
+INHERITED_ATTRIBUTES = ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
+                        "_mask_token_id")
+# ... and the draft-block buffers _ensure_draft_block_buffers(bs) must create.
+DRAFT_BLOCK_BUFFERS = ("_draft_block_ids_buf", "_draft_block_positions_buf",
+                       "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf")
+
+
+def __getattr__(name: str):
+    if name in NAMES:
+        value = resolve(NAMES[name])
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_inherited(worker) -> None:
+    """Fail at startup, naming them, if DFlashWorkerV2 no longer provides the state DDTREE
+    reads (a renamed buffer would otherwise surface as an AttributeError mid-decode)."""
+    worker._ensure_draft_block_buffers(1)
+    missing = [a for a in INHERITED_ATTRIBUTES + DRAFT_BLOCK_BUFFERS if not hasattr(worker, a)]
+    if missing:
+        raise RuntimeError(f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed "
+                           f"DFlashWorkerV2 lacks {missing}")
 
 
 def resolve(path: str):

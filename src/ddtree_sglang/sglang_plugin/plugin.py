@@ -52,15 +52,15 @@ def _get_spec_info_hook(original, runner, num_tokens):
     model_runner = runner.model_runner
     if not is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
         return original(runner, num_tokens)
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from ddtree_sglang.sglang_plugin import internals
 
     block = int(model_runner.server_args.speculative_dflash_block_size)
-    return EagleVerifyInput(
+    return internals.EagleVerifyInput(
         draft_token=None, custom_mask=runner.buffers.custom_mask, positions=None,
         retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None,
         retrieve_cum_len=None, spec_steps=block - 1, topk=1,
-        draft_token_num=runner.captured_req_width, capture_hidden_mode=CaptureHiddenMode.FULL,
+        draft_token_num=runner.captured_req_width,
+        capture_hidden_mode=internals.CaptureHiddenMode.FULL,
         seq_lens_sum=None, seq_lens_cpu=None,
     )
 

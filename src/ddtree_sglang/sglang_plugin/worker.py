@@ -22,35 +22,15 @@ import logging
 
 import torch
 
-from ddtree_sglang.decode_step import StepCommit, accept_stage, kv_moves, tree_stage
+from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage, kv_moves,
+                                       move_rows, penalise_nodes, select_builder, tree_stage,
+                                       verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
-from ddtree_sglang.layout import VerifyLayout, full_mask
-from ddtree_sglang.kernels.kv_move import move_rows_triton
-from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
-from ddtree_sglang.kernels.tree_build import supported as tree_kernel_supported
-from ddtree_sglang.penalties import apply_tree_penalties, path_tokens
+from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import env_setting
-from ddtree_sglang.sampling import sample_rows
-from ddtree_sglang.tree import build_draft_tree
-
-from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
-from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import (
-    CaptureHiddenMode, ForwardBatch, ForwardMode,
-)
-from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
-from sglang.srt.speculative.draft_worker_common import (
-    build_block_pos_offsets, make_draft_block_spec_info,
-)
-from sglang.srt.speculative.eagle_info import EagleVerifyInput
-from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +43,6 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
     rows of seeded requests draw as a function of (seed, node position))."""
     if sampling_info is None or sampling_info.is_all_greedy:
         return logits.argmax(dim=-1)
-    from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob
-
     def per_node(x):
         return torch.repeat_interleave(x, n, dim=0)
 
@@ -74,15 +52,16 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
         per_node(si.top_ks) if si.need_top_k_sampling else None,
         per_node(si.top_ps) if si.need_top_p_sampling else None,
         per_node(si.min_ps) if si.need_min_p_sampling else None,
-        top_k_renorm=top_k_renorm_prob, top_p_renorm=top_p_renorm_prob,
+        top_k_renorm=internals.top_k_renorm_prob, top_p_renorm=internals.top_p_renorm_prob,
         seeds=None if seeds is None else per_node(seeds), positions=positions)
 
 
-class DDTreeWorker(DFlashWorkerV2):
+class DDTreeWorker(internals.DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         internals.check_contract()
         super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
                          target_worker=target_worker)
+        internals.check_inherited(self)
         self.verify_width = int(server_args.speculative_num_draft_tokens)  # N = B + 1
         self.budget = self.verify_width - 1
         self.block_size = int(server_args.speculative_dflash_block_size)
@@ -91,14 +70,14 @@ class DDTreeWorker(DFlashWorkerV2):
         # server_args.check_budget), which is also the width of a result row.
         self.out_width = self.block_size
         self.speculative_num_draft_tokens = self.verify_width
-        self._block_pos_offsets = build_block_pos_offsets(length=self.block_size,
+        self._block_pos_offsets = internals.build_block_pos_offsets(length=self.block_size,
                                                           device=self.device)
-        self._draft_block_spec_info = make_draft_block_spec_info(
+        self._draft_block_spec_info = internals.make_draft_block_spec_info(
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
         graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
-        self._tree_kernel = env_setting("SGLANG_DDTREE_TREE_KERNEL") == "triton" and \
-            tree_kernel_supported(self.budget, self.depth)
+        self._builder, builder_name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
+                                                     self.budget, self.depth)
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
@@ -113,8 +92,9 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
-                        "drafter weights %s, target embeddings %s", self.budget,
-                        self.verify_width, self.block_size, self.depth, self._draft_weight_dtype,
+                        "tree builder %s, drafter weights %s, target embeddings %s", self.budget,
+                        self.verify_width, self.block_size, self.depth, builder_name,
+                        self._draft_weight_dtype,
                         self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
 
     def init_cuda_graphs(self):
@@ -187,7 +167,8 @@ class DDTreeWorker(DFlashWorkerV2):
             if not batch.forward_mode.is_idle() and result.next_token_ids is not None:
                 self.penalty_state.on_prefill(batch.reqs, result.next_token_ids)
             return result
-        if batch.spec_info is None or not isinstance(batch.spec_info, DFlashDraftInputV2):
+        if batch.spec_info is None or not isinstance(batch.spec_info,
+                                                           internals.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
         draft_input = batch.spec_info
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
@@ -210,11 +191,10 @@ class DDTreeWorker(DFlashWorkerV2):
         penalties = self.penalty_state.params(batch.reqs)
         if penalties is not None:
             counts, out_len = self.penalty_state.rows_of(batch.req_pool_indices)
-            paths = path_tokens(layout.draft_tokens.view(bs, n), layout.tree_parents,
-                                layout.tree_depths, self.depth)
-            apply_tree_penalties(logits.view(bs, n, -1)[..., : self.vocab_size], counts,
-                                 out_len, penalties, paths, layout.tree_depths)
-        apply_dflash_verify_logits_adjustments(next_token_logits=logits,
+            penalise_nodes(logits.view(bs, n, -1)[..., : self.vocab_size], counts, out_len,
+                           penalties, layout.draft_tokens.view(bs, n), layout.tree_parents,
+                           layout.tree_depths, self.depth)
+        internals.apply_dflash_verify_logits_adjustments(next_token_logits=logits,
                                                sampling_info=batch.sampling_info,
                                                draft_token_num=n)
         choice = sample_per_node(logits, batch.sampling_info, n,
@@ -242,7 +222,7 @@ class DDTreeWorker(DFlashWorkerV2):
             cache_loc_2d=front_loc, commit_lens=commit_lens)
         logits_output.hidden_states = None
 
-        return GenerationBatchResult(
+        return internals.GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=step.tokens.reshape(-1),
             accept_lens=commit_lens,
@@ -256,9 +236,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
         """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
-        builder = build_draft_tree_triton if self._tree_kernel else build_draft_tree
         return tree_stage(self._draft_logits(draft_hidden), roots, seq_lens, self.budget,
-                          self.depth, builder)
+                          self.depth, self._builder)
 
     def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
         """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
@@ -272,13 +251,13 @@ class DDTreeWorker(DFlashWorkerV2):
             self._kv_move = internals.kv_move_buffers(
                 self.model_runner.token_to_kv_pool_allocator) or False
         if self._kv_move is False:
-            move_accept_tokens_to_target_kvcache(batch, step.accept_index, step.commit_lens - 1,
+            internals.move_accept_tokens_to_target_kvcache(batch, step.accept_index, step.commit_lens - 1,
                                                  self.model_runner.token_to_kv_pool_allocator)
             return
         data_ptrs, row_bytes, max_row_bytes = self._kv_move
         tgt, src = kv_moves(batch.out_cache_loc, step.accept_index, step.commit_lens,
                             self.verify_width)
-        move_rows_triton(data_ptrs, row_bytes, max_row_bytes, tgt, src)
+        move_rows(data_ptrs, row_bytes, max_row_bytes, tgt, src)
 
     def _host_seq_lens_bound(self, batch, draft_input, extra: int):
         """Host-side per-request upper bounds on the committed lengths, and their sum.
@@ -300,7 +279,7 @@ class DDTreeWorker(DFlashWorkerV2):
         block_ids = self._draft_block_ids_buf[:bs]
         positions_2d = self._draft_block_positions_buf[:bs]
         cache_loc_2d = self._draft_verify_out_cache_loc_buf[:bs]
-        _prepare_dflash_draft_block_unchecked(
+        internals.prepare_dflash_draft_block(
             bonus_tokens=draft_input.bonus_tokens.view(-1),
             prefix_lens=batch.seq_lens.view(-1),
             req_pool_indices=batch.req_pool_indices.view(-1),
@@ -314,15 +293,16 @@ class DDTreeWorker(DFlashWorkerV2):
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
         cpu_buf = self._draft_seq_lens_cpu_buf[:bs]
         cpu_buf.copy_(seq_lens_cpu)
-        forward_batch = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs,
+        forward_batch = internals.ForwardBatch(
+            forward_mode=internals.ForwardMode.TARGET_VERIFY, batch_size=bs,
             input_ids=block_ids.flatten(), req_pool_indices=batch.req_pool_indices,
             seq_lens=batch.seq_lens, out_cache_loc=cache_loc_2d.reshape(-1),
             seq_lens_sum=seq_lens_sum, seq_lens_cpu=cpu_buf,
             positions=positions_2d.reshape(-1),
             input_embeds=embeds.view(-1, embeds.shape[-1]),
-            spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=self._draft_block_spec_info,
-            capture_hidden_mode=CaptureHiddenMode.NULL)
+            spec_algorithm=internals.SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=internals.CaptureHiddenMode.NULL)
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
         hidden = out.logits_output.hidden_states
@@ -341,19 +321,20 @@ class DDTreeWorker(DFlashWorkerV2):
         """Tree verify input + TARGET_VERIFY forward batch (graph loaded when it fits)."""
         n = self.verify_width
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, n)
-        mask = full_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
-        verify_input = EagleVerifyInput(
+        mask = verify_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
+        verify_input = internals.EagleVerifyInput(
             draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,
             retrieve_index=layout.retrieve_index,
             retrieve_next_token=layout.retrieve_next_token,
             retrieve_next_sibling=layout.retrieve_next_sibling, retrieve_cum_len=None,
             spec_steps=self.depth, topk=1, draft_token_num=n,
-            capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
+            capture_hidden_mode=internals.CaptureHiddenMode.FULL, seq_lens_sum=None,
+            seq_lens_cpu=None)
         batch.spec_info = verify_input
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
         try:
-            verify_fb, can_run_graph = eagle_prepare_for_verify(
+            verify_fb, can_run_graph = internals.eagle_prepare_for_verify(
                 verify_input, self.model_runner.req_to_token_pool, batch, self.target_worker)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = saved
