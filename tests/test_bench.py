@@ -276,3 +276,21 @@ def test_profile_kernel_table_from_a_trace(tmp_path):
     assert "GPU idle inside the span" in md and "`nvjet_tst_128x256`" in md
     with pytest.raises(ValueError, match="no GPU kernels"):
         profile.kernel_table(events[-1:], steps=1)
+
+
+def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):
+    from ddtree_sglang.bench import projection
+
+    rows = [dict(arm="dflash", batch_size=1, step_ms=8.0), dict(arm="dflash", batch_size=8, step_ms=10.0),
+            dict(arm="ddtree-b16", batch_size=1, step_ms=9.0), dict(arm="ddtree-b16", batch_size=8, step_ms=12.0),
+            dict(arm="ddtree-b64", batch_size=1, step_ms=9.5), dict(arm="ddtree-b64", batch_size=8, step_ms=30.0)]
+    tau = {16: 8.0, 64: 10.0}
+    out = {r["batch_size"]: r for r in projection.project(rows, tau, chain_tau=7.0)}
+    assert out[1]["chosen_budget"] == 64 and out[8]["chosen_budget"] == 16
+    assert out[1]["projected_ratio"] == round((10.0 / 9.5) / (7.0 / 8.0), 3)
+    assert out[8]["projected_ratio"] == round((8.0 / 12.0) / (7.0 / 10.0), 3)
+    assert "PROJECTION (not a measurement)" in projection.markdown(list(out.values()), "x.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert projection.main(["--cost", str(bad)]) == 2
+    assert "not a readable cost-mode results.json" in capsys.readouterr().err
