@@ -121,9 +121,6 @@ def phase_min_new(s, stops) -> dict:
                 for r, p in zip(d, params))
     return dict(prompts=len(rows), equal_to_plain_sync=f"{equal_count(d, ref)}/{len(d)}",
                 finish_equal=sum(finish(a) == finish(b) for a, b in zip(d, ref)),
-                # a differing request at ~2k tokens of context: a near-tie or a wrong token?
-                ddtree_rescored=teacher_force(model, prompts, ids_of(d), TIE),
-                plain_rescored=teacher_force(model, prompts, ids_of(ref), TIE),
                 ddtree_finish_types=sorted({str(finish(a)) for a in d}),
                 ddtree_shorter_than_min_new=early, errors=errors(d + ref))
 
@@ -193,6 +190,9 @@ def phase_context(s, model, long_ids, context: int) -> dict:
                 # a differing request at ~2k tokens of context: a near-tie or a wrong token?
                 ddtree_rescored=teacher_force(model, prompts, ids_of(d), TIE),
                 plain_rescored=teacher_force(model, prompts, ids_of(ref), TIE),
+                differing=[dict(request=i, prompt_len=len(p), ddtree=a, plain=b)
+                           for i, (p, a, b) in enumerate(zip(prompts, ids_of(d), ids_of(ref)))
+                           if a != b],
                 errors=errors(d + ref))
 
 
