@@ -272,7 +272,6 @@ def main() -> None:
     ap.add_argument("--max-files", type=non_negative_int, default=0, help="limit the corpus (smoke tests)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    require_cuda(args.device)
     TAPS, LAYERS, DRAFT_LAYERS = tuple(args.taps), args.target_layers, args.draft_layers
     if args.init_from:
         try:
@@ -282,12 +281,6 @@ def main() -> None:
         except (OSError, KeyError, ValueError, NotADFlashCheckpoint) as exc:
             ap.error(f"--init-from {args.init_from} is not an exported testbed: {exc}")
         DRAFT_LAYERS, TAPS = init_cfg.num_hidden_layers, init_cfg.target_layer_ids
-    if args.real_seqs < 0:
-        ap.error(f"--real-seqs must be >= 0; got {args.real_seqs}")
-    if args.drafter_lr <= 0:
-        ap.error(f"--drafter-lr must be > 0; got {args.drafter_lr}")
-    if args.sampled_every < 0:
-        ap.error(f"--sampled-every must be >= 0; got {args.sampled_every}")
     if not 0.0 <= args.soft_weight <= 1.0:
         ap.error(f"--soft-weight must be in 0..1; got {args.soft_weight}")
     if args.anchor_min + BLOCK + 16 > SEQ:
@@ -295,6 +288,7 @@ def main() -> None:
                  f"got {args.anchor_min}")
     if untappable_layers(TAPS, LAYERS):
         ap.error(f"--taps must name target layers 0..{LAYERS - 2} (not the last); got {args.taps}")
+    require_cuda(args.device)  # after the flag checks, which need no device
     dev = torch.device(args.device)
     DEV_TYPE = dev.type
     torch.backends.cuda.matmul.allow_tf32 = True
