@@ -55,3 +55,25 @@ def test_kv_moves_put_the_accepted_path_at_its_positions():
     move_rows_reference([kv], tgt, src)
     assert kv[tgt[0], 0].tolist() == [0, 1, 3, 5]
     assert kv[tgt[1, :2], 0].tolist() == [0, 2] and kv[tgt[2, :1], 0].tolist() == [0]
+
+
+def test_builder_choice_and_its_startup_check():
+    from ddtree_sglang.decode_step import check_builder, select_builder
+    from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
+
+    assert select_builder("torch", 16, 15)[1] == "torch"
+    assert select_builder("auto", 32, 15) == (build_draft_tree_triton, "triton")
+    assert select_builder("auto", 64, 15)[1] == "torch"     # not timed faster there
+    assert select_builder("triton", 64, 15)[1] == "triton"  # forced
+    assert select_builder("triton", 128, 15)[1] == "torch"  # beyond the kernel: exact fallback
+    assert check_builder(build_draft_tree, 16, 15, 100, "cpu", torch.float32) is None
+
+    def wrong(logits, budget):  # a builder that drops the best node's token
+        tree = build_draft_tree(logits, budget)
+        return type(tree)(tree.tokens + 1, tree.parents, tree.depths, tree.scores)
+
+    def broken(logits, budget):
+        raise RuntimeError("no kernel for this GPU")
+
+    assert "different tree" in check_builder(wrong, 8, 4, 50, "cpu", torch.float32)
+    assert "RuntimeError: no kernel" in check_builder(broken, 8, 4, 50, "cpu", torch.float32)

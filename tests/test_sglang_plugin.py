@@ -142,11 +142,11 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
 def test_environment_knobs_are_checked(monkeypatch):
     from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, env_setting, validate
 
-    assert env_setting("SGLANG_DDTREE_TREE_KERNEL") == "torch"
+    assert env_setting("SGLANG_DDTREE_TREE_KERNEL") == "auto"
     monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "cuda")
     base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
                 speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
-    with pytest.raises(DDTreeConfigError, match="accepted: torch, triton"):
+    with pytest.raises(DDTreeConfigError, match="accepted: auto, torch, triton"):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "triton")
     monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "yes")

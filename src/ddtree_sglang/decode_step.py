@@ -23,22 +23,47 @@ from ddtree_sglang.layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 from ddtree_sglang.tree import DraftTree, build_draft_tree
 
-__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "kv_moves", "move_rows",
-           "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
+__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_builder", "kv_moves",
+           "move_rows", "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
 
 Builder = Callable[[torch.Tensor, int], DraftTree]
 
 
+# "auto" takes the fused kernel where it was timed faster than the PyTorch builder (budgets up
+# to 32: its per-depth sort grows as B^2) and the PyTorch builder elsewhere.
+AUTO_KERNEL_MAX_BUDGET = 32
+
+
 def select_builder(kernel: str, budget: int, depth: int) -> tuple[Builder, str]:
-    """The tree builder for `kernel` ("triton" or "torch") and its name.  The fused Triton
-    kernel covers budget <= 64 and depth <= 16; anything else uses the exact PyTorch builder,
-    which it reproduces bit for bit."""
-    if kernel == "triton":
+    """The tree builder for `kernel` ("auto", "triton" or "torch") and its name.  The fused
+    Triton kernel covers budget <= 64 and depth <= 16; anything else uses the exact PyTorch
+    builder, which it reproduces bit for bit."""
+    if kernel in ("triton", "auto"):
         from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported
 
-        if supported(budget, depth):
+        if supported(budget, depth) and (kernel == "triton" or budget <= AUTO_KERNEL_MAX_BUDGET):
             return build_draft_tree_triton, "triton"
     return build_draft_tree, "torch"
+
+
+def check_builder(builder: Builder, budget: int, depth: int, vocab: int, device,
+                  dtype: torch.dtype) -> str | None:
+    """Why `builder` cannot be trusted on this device (None if it can): it must build the same
+    trees as the PyTorch builder on random and tied logits.  Run once at startup."""
+    if builder is build_draft_tree:
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = [torch.randn((2, depth, vocab), generator=gen, device=device).mul(3).to(dtype),
+             torch.zeros((1, depth, vocab), device=device, dtype=dtype)]  # all tied
+    try:
+        for logits in cases:
+            ref, out = build_draft_tree(logits, budget), builder(logits, budget)
+            if not all(torch.equal(getattr(ref, f), getattr(out, f))
+                       for f in ("tokens", "parents", "depths")):
+                return "it built a different tree than the PyTorch builder"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
 
 
 def penalise_nodes(logits: torch.Tensor, counts: torch.Tensor, out_len: torch.Tensor,

@@ -42,7 +42,7 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
 
 
 ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
-               "SGLANG_DDTREE_TREE_KERNEL": ("torch", "triton")}
+               "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton")}
 
 
 def env_setting(name: str) -> str:

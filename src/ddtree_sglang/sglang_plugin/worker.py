@@ -22,9 +22,9 @@ import logging
 
 import torch
 
-from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage, kv_moves,
-                                       move_rows, penalise_nodes, select_builder, tree_stage,
-                                       verify_mask)
+from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage, check_builder,
+                                       kv_moves, move_rows, penalise_nodes, select_builder,
+                                       tree_stage, verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
@@ -78,6 +78,14 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
         self._builder, builder_name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
                                                      self.budget, self.depth)
+        if builder_name != "torch" and torch.cuda.is_available():
+            head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
+            why = check_builder(self._builder, self.budget, self.depth, self.vocab_size,
+                                self.device, head_dtype)
+            if why is not None:
+                logger.warning("DDTREE: the fused tree kernel is not used (%s); the PyTorch "
+                               "builder builds the same trees", why)
+                self._builder, builder_name = select_builder("torch", self.budget, self.depth)
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
@@ -251,8 +259,9 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             self._kv_move = internals.kv_move_buffers(
                 self.model_runner.token_to_kv_pool_allocator) or False
         if self._kv_move is False:
-            internals.move_accept_tokens_to_target_kvcache(batch, step.accept_index, step.commit_lens - 1,
-                                                 self.model_runner.token_to_kv_pool_allocator)
+            internals.move_accept_tokens_to_target_kvcache(
+                batch, step.accept_index, step.commit_lens - 1,
+                self.model_runner.token_to_kv_pool_allocator)
             return
         data_ptrs, row_bytes, max_row_bytes = self._kv_move
         tgt, src = kv_moves(batch.out_cache_loc, step.accept_index, step.commit_lens,
