@@ -77,3 +77,16 @@ def test_builder_choice_and_its_startup_check():
 
     assert "different tree" in check_builder(wrong, 8, 4, 50, "cpu", torch.float32)
     assert "RuntimeError: no kernel" in check_builder(broken, 8, 4, 50, "cpu", torch.float32)
+
+
+def test_a_failing_logsumexp_kernel_is_switched_off(monkeypatch):
+    from ddtree_sglang import tree
+    from ddtree_sglang.kernels import logsumexp
+
+    def broken(x, block=2048):
+        raise RuntimeError("PTX not supported")
+
+    monkeypatch.setattr(logsumexp, "logsumexp_triton", broken)
+    monkeypatch.setitem(tree.LSE_KERNEL, "enabled", True)
+    assert "RuntimeError: PTX" in tree.check_logsumexp_kernel(100, "cpu", torch.float32)
+    assert tree.LSE_KERNEL["enabled"] is False

@@ -17,13 +17,15 @@ from typing import Callable
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.kernels.kv_move import move_rows_reference
 from ddtree_sglang.kernels.kv_move import move_rows_triton as move_rows
 from ddtree_sglang.layout import VerifyLayout, build_verify_layout
 from ddtree_sglang.layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
-from ddtree_sglang.tree import DraftTree, build_draft_tree
+from ddtree_sglang.tree import DraftTree, build_draft_tree, check_logsumexp_kernel
 
-__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_builder", "kv_moves",
+__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_builder",
+           "check_kv_move_kernel", "check_logsumexp_kernel", "kv_moves",
            "move_rows", "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
 
 Builder = Callable[[torch.Tensor, int], DraftTree]
@@ -131,3 +133,27 @@ def kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
     src = torch.where(j < commit_lens.view(bs, 1), out_cache_loc[accept_index.clamp(min=0).long()],
                       tgt)
     return tgt, src
+
+
+def check_kv_move_kernel(device, width: int = 16) -> str | None:
+    """Why the Triton KV move cannot be used on this device (None if it can): it must move
+    scratch rows exactly as move_rows_reference does, including a path that reads rows its own
+    moves write.  Run once at startup."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        buffers = [torch.randint(0, 255, (4 * width, n), generator=gen, device=device,
+                                 dtype=torch.uint8) for n in (256, 64)]
+        base = torch.arange(2, device=device).view(2, 1) * 2 * width
+        tgt = base + torch.arange(width, device=device)
+        src = base + torch.stack([torch.randperm(2 * width, generator=gen, device=device)[:width]
+                                  for _ in range(2)])
+        expected = [b.clone() for b in buffers]
+        move_rows_reference(expected, tgt, src)
+        ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=device)
+        rows = torch.tensor([b.shape[1] for b in buffers], device=device)
+        move_rows(ptrs, rows, 256, tgt, src)
+        if all(torch.equal(a, b) for a, b in zip(buffers, expected)):
+            return None
+        return "it moved rows differently from the PyTorch reference"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        return f"{type(exc).__name__}: {str(exc)[:200]}"

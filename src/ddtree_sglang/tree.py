@@ -85,13 +85,37 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     written (the full log_softmax cost ~1.5 ms per step at batch 64 on the Qwen3 vocabulary).
     """
     values, ids = torch.topk(draft_logits, k, dim=-1)
-    if draft_logits.is_cuda:  # one float32 pass over the half-precision row, no copy
+    if draft_logits.is_cuda and LSE_KERNEL["enabled"]:  # one float32 pass, no float32 copy
         from ddtree_sglang.kernels.logsumexp import logsumexp_triton
 
         lse = logsumexp_triton(draft_logits)
     else:
         lse = torch.logsumexp(draft_logits.float(), dim=-1)
     return values.float() - lse.unsqueeze(-1), ids
+
+
+# Whether top_log_probs may use the Triton logsumexp on CUDA; check_logsumexp_kernel turns it
+# off for the process if the kernel fails or disagrees on this GPU.
+LSE_KERNEL = {"enabled": True}
+
+
+def check_logsumexp_kernel(vocab: int, device, dtype: torch.dtype) -> str | None:
+    """Compare the Triton logsumexp with torch's on this device once (startup); on failure or
+    disagreement disable it and say why."""
+    try:
+        from ddtree_sglang.kernels.logsumexp import logsumexp_triton
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn((3, vocab), generator=gen, device=device).mul(4).to(dtype)
+        if not torch.allclose(logsumexp_triton(x), torch.logsumexp(x.float(), -1),
+                              rtol=1e-5, atol=1e-4):
+            why = "it disagrees with torch.logsumexp"
+        else:
+            return None
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+    LSE_KERNEL["enabled"] = False
+    return why
 
 
 def chain_tree(draft_logits: torch.Tensor) -> DraftTree:

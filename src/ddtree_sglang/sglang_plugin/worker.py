@@ -23,8 +23,9 @@ import logging
 import torch
 
 from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage, check_builder,
-                                       kv_moves, move_rows, penalise_nodes, select_builder,
-                                       tree_stage, verify_mask)
+                                       check_kv_move_kernel, check_logsumexp_kernel, kv_moves,
+                                       move_rows,
+                                       penalise_nodes, select_builder, tree_stage, verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
@@ -71,25 +72,16 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self.out_width = self.block_size
         self.speculative_num_draft_tokens = self.verify_width
         self._block_pos_offsets = internals.build_block_pos_offsets(length=self.block_size,
-                                                          device=self.device)
+                                                                    device=self.device)
         self._draft_block_spec_info = internals.make_draft_block_spec_info(
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
         graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
-        self._builder, builder_name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
-                                                     self.budget, self.depth)
-        if builder_name != "torch" and torch.cuda.is_available():
-            head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
-            why = check_builder(self._builder, self.budget, self.depth, self.vocab_size,
-                                self.device, head_dtype)
-            if why is not None:
-                logger.warning("DDTREE: the fused tree kernel is not used (%s); the PyTorch "
-                               "builder builds the same trees", why)
-                self._builder, builder_name = select_builder("torch", self.budget, self.depth)
+        self._kv_move = None  # None: resolved at the first decode (the KV pool exists then)
+        builder_name = self._choose_kernels()
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
-        self._kv_move = None  # resolved on the first decode step: the KV pool exists by then
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ and the drafter's eager path does not convert them.
         self._draft_weight_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
@@ -104,6 +96,33 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                         self.verify_width, self.block_size, self.depth, builder_name,
                         self._draft_weight_dtype,
                         self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
+
+    def _choose_kernels(self) -> str:
+        """The tree builder, and whether the Triton logsumexp and KV move are used: each kernel
+        is compared once with its PyTorch reference on this GPU and dropped, with a warning, if
+        it fails or differs.  Returns the builder's name."""
+        self._builder, name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
+                                             self.budget, self.depth)
+        if not torch.cuda.is_available():
+            return name
+        head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
+        why = check_logsumexp_kernel(self.vocab_size, self.device, head_dtype)
+        if why is not None:
+            logger.warning("DDTREE: the Triton logsumexp is not used (%s); the draft "
+                           "log-probabilities use torch.logsumexp in float32", why)
+        why = check_kv_move_kernel(self.device)
+        if why is not None:
+            logger.warning("DDTREE: the Triton KV move is not used (%s); SGLang's generic move "
+                           "commits the accepted KV", why)
+            self._kv_move = False
+        if name != "torch":
+            why = check_builder(self._builder, self.budget, self.depth, self.vocab_size,
+                                self.device, head_dtype)
+            if why is not None:
+                logger.warning("DDTREE: the fused tree kernel is not used (%s); the PyTorch "
+                               "builder builds the same trees", why)
+                self._builder, name = select_builder("torch", self.budget, self.depth)
+        return name
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
