@@ -294,3 +294,29 @@ def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):
     bad.write_text("{}")
     assert projection.main(["--cost", str(bad)]) == 2
     assert "not a readable cost-mode results.json" in capsys.readouterr().err
+
+
+def test_cells_repeat_and_run_to_their_minimum(tmp_path, fake_env):
+    """Warm-up per cell, rounds until the minimum number of requests, three measurements with
+    the median in the row and the spread reported."""
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, gpus=[0], arms=[{"name": "dflash", "algorithm": "DFLASH"}],
+                       concurrency=[2], requests_per_level=4, min_cell_requests=10, repeats=3,
+                       warmup_per_cell=True)
+    assert serve_bench.main(["--config", str(cfg), "--out", str(out)]) == 0
+    row = json.loads((out / "results.json").read_text())["rows"][0]
+    assert row["requests"] == 12  # rounds of 4 until >= 10
+    assert len(row["runs_tok_s"]) == 3 and sorted(row["runs_tok_s"])[1] == row["output_tok_s"]
+    assert row["spread"] is not None and row["spread"] >= 0
+    assert "| spread |" in (out / "results.md").read_text()
+
+
+def test_cell_minimums():
+    def cfg(**kw):
+        return BenchConfig(name="x", arms=[{"name": "a"}], **kw)
+
+    assert serve_bench.cell_done(cfg(), 0.1, 8)  # no minimum: one round
+    assert not serve_bench.cell_done(cfg(min_cell_seconds=30), 5.0, 1000)
+    assert serve_bench.cell_done(cfg(min_cell_seconds=30), 31.0, 8)
+    assert serve_bench.cell_done(cfg(min_cell_seconds=30, min_cell_requests=256), 5.0, 256)
+    assert not serve_bench.cell_done(cfg(min_cell_requests=256), 100.0, 255)

@@ -95,6 +95,14 @@ class BenchConfig(_Strict):
                                "wait for JIT and graph capture instead of one per arm); they are "
                                "still measured one at a time; > 1 needs max_total_tokens")
     requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
+    min_cell_seconds: float = Field(0.0, ge=0, description="keep sending rounds of "
+                                    "requests_per_level until a cell has run this long ...")
+    min_cell_requests: int = Field(0, ge=0, description="... or has sent this many requests "
+                                   "(whichever comes first; 0 and 0 = one round)")
+    repeats: int = Field(1, ge=1, description="measure each cell this many times; the table "
+                         "shows the median and the spread")
+    warmup_per_cell: bool = Field(False, description="a warm-up round before every (arm, "
+                                  "concurrency) cell, not only once per arm")
     startup_timeout_s: float = 900
     launcher_module: str = Field("sglang.launch_server",
                                  description="module run with -m to start a server")

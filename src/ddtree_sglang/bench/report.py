@@ -6,14 +6,18 @@ from pathlib import Path
 
 
 def markdown(results: dict) -> str:
+    """One row per (arm, concurrency); with repeated measurements the row is the median one and
+    the last columns list every measurement and their spread ((max - min) / median)."""
     meta = results["meta"]
+    repeated = any("runs_tok_s" in row for row in results["rows"])
     lines = [f"# {meta['name']}: {meta['device']}, {meta['date']}", "",
              f"Command: `{meta['command']}`  ", f"Commit: `{meta.get('commit', '?')}`; "
              f"replicas: {meta['replicas']}; max_new_tokens {meta['max_new_tokens']}; "
              f"temperature {meta['temperature']}; endpoint "
              f"{(meta.get('config') or {}).get('endpoint', 'native')}", "",
              "| arm | conc/replica | output tok/s | vs no-spec | TPOT p50 ms | TPOT p90 ms | "
-             "TTFT p50 ms | accept len | errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "TTFT p50 ms | accept len | errors |" + (" runs tok/s | spread |" if repeated else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if repeated else "")]
     base = {row["concurrency"]: row["output_tok_s"] for row in results["rows"]
             if row["arm"] == meta.get("reference_arm")}
     for row in results["rows"]:
@@ -21,7 +25,9 @@ def markdown(results: dict) -> str:
         ratio = f"{row['output_tok_s'] / ref:.2f}x" if ref and row["output_tok_s"] else ""
         lines.append(f"| {row['arm']} | {row['concurrency']} | {row['output_tok_s']} | {ratio} | "
                      f"{row['tpot_p50_ms']} | {row['tpot_p90_ms']} | {row['ttft_p50_ms']} | "
-                     f"{row['accept_length']} | {row['errors']} |")
+                     f"{row['accept_length']} | {row['errors']} |"
+                     + (f" {' / '.join(map(str, row.get('runs_tok_s', [])))} | "
+                        f"{row.get('spread', '')} |" if repeated else ""))
     if results.get("correctness"):
         lines += ["", "Greedy outputs against the no-speculation arm (same prompts):", "",
                   "| arm | identical | diverged | at a near-tie | not a tie |", "|---|---|---|---|---|"]

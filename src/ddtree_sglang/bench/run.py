@@ -133,12 +133,7 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
                              endpoint=cfg.endpoint)
             greedy = {}
             for conc in cfg.concurrency:
-                n = requests_for(cfg, conc)
-                with tqdm(total=n, desc=f"{arm.name} c={conc}", leave=False) as bar:
-                    res, wall = client.run_level(urls, prompts, params, conc, n, bar,
-                                                 endpoint=cfg.endpoint)
-                row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget,
-                           concurrency=conc, **client.summarize(res, wall))
+                res, row = measure_cell(cfg, urls, prompts, params, arm, conc, tqdm)
                 if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
                     acc = [a for a in map(client.server_accept_length, urls) if a is not None]
                     row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
@@ -156,6 +151,47 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
             if save:
                 save(results)
     return results
+
+
+def cell_done(cfg: BenchConfig, seconds: float, requests: int) -> bool:
+    """A cell has run long enough: one round when no minimum is set, else the first minimum
+    reached (seconds or requests)."""
+    if not cfg.min_cell_seconds and not cfg.min_cell_requests:
+        return True
+    return bool((cfg.min_cell_seconds and seconds >= cfg.min_cell_seconds) or
+                (cfg.min_cell_requests and requests >= cfg.min_cell_requests))
+
+
+def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, conc: int,
+                 progress_bar) -> tuple[list, dict]:
+    """One (arm, concurrency) cell: an optional warm-up round, then `cfg.repeats` measurements,
+    each of rounds of requests until `min_cell_seconds` or `min_cell_requests` is reached.
+    The row is the median measurement's summary plus every measurement's tokens/s."""
+    n = requests_for(cfg, conc)
+    if cfg.warmup_per_cell:
+        client.run_level(urls, prompts, params, conc, conc * len(urls), endpoint=cfg.endpoint)
+    runs = []
+    for rep in range(cfg.repeats):
+        results, wall = [], 0.0
+        with progress_bar(desc=f"{arm.name} c={conc} #{rep + 1}", leave=False) as bar:
+            while True:
+                res, w = client.run_level(urls, prompts, params, conc, n, bar,
+                                          endpoint=cfg.endpoint)
+                results += res
+                wall += w
+                if cell_done(cfg, wall, len(results)):
+                    break
+        runs.append((client.summarize(results, wall), results))
+    runs.sort(key=lambda r: r[0]["output_tok_s"] or 0.0)
+    summary, results = runs[len(runs) // 2]
+    rates = [r[0]["output_tok_s"] for r in runs]
+    row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget, concurrency=conc,
+               **summary)
+    if len(runs) > 1:
+        row["runs_tok_s"] = rates
+        row["spread"] = round((max(rates) - min(rates)) / summary["output_tok_s"], 3) \
+            if summary["output_tok_s"] else None
+    return results, row
 
 
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
