@@ -339,6 +339,12 @@ def phase_final(s, model, prompts) -> dict:
 
 
 # -- driver ------------------------------------------------------------------------------------
+# The servers each phase talks to (a run of a few phases starts only those).
+NEEDS = {"penalties": ("ddtree", "plain", "plain_sync"), "min_new": ("ddtree", "plain_sync"),
+         "eos_boundary": ("ddtree", "plain", "plain_sync"), "distribution": ("ddtree", "plain"),
+         "context": ("ddtree", "plain"), "retraction": ("ddtree_small",), "aborts": ("ddtree",),
+         "shared_prefix": ("ddtree",), "bad_inputs": ("ddtree", "plain"),
+         "eager": ("ddtree_eager",), "final": ("ddtree",)}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -372,6 +378,12 @@ def main() -> None:
              # CUDA graphs only up to batch 8: most steps take SGLang's eager paths
              "ddtree_eager": ServerSpec(target, "ddtree_eager", "DDTREE", drafter, n,
                                         max_total_tokens=120_000, cuda_graph_max_bs=8)}
+    chosen = args.phases.split(",")
+    unknown = [p for p in chosen if p not in NEEDS]
+    if unknown:
+        ap.error(f"unknown phases {unknown}; accepted: {', '.join(NEEDS)}")
+    wanted = set().union(*(NEEDS[p] for p in chosen))  # start only the servers the phases use
+    specs = {name: spec for name, spec in specs.items() if name in wanted}
     servers = {}
     for name, spec in specs.items():
         spec.sleep_on_idle = True
@@ -391,7 +403,7 @@ def main() -> None:
         for name, server in servers.items():
             server.wait_healthy(timeout=max(60.0, 420 - (time.time() - t0)))
             meta[f"{name}_healthy_after_s"] = round(time.time() - t0, 1)
-        stops = stopping_requests(servers, prompts)
+        stops = stopping_requests(servers, prompts) if "plain_sync" in servers else []
         meta["stopping_requests"] = len(stops)
         phases = {
             "penalties": lambda: phase_penalties(servers, model, prompts48),
@@ -407,7 +419,7 @@ def main() -> None:
             "eager": lambda: phase_eager(servers, model, prompts),
             "final": lambda: phase_final(servers, model, prompts),
         }
-        for name in args.phases.split(","):
+        for name in chosen:
             t = time.time()
             try:
                 results[name] = phases[name]()
