@@ -84,7 +84,3 @@ def choose_budget(batch_size: int, expected_accepted: torch.Tensor,
     rate = (expected_accepted + batch_size) / step_ms
     return torch.argmax(rate)  # first maximum
 
-
-def chain_expected_accepted(tau: float) -> float:
-    """Accepted draft tokens per request of an accept length tau (which counts the bonus)."""
-    return tau - 1.0

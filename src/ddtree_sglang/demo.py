@@ -11,6 +11,7 @@ free memory, the output length against the target's positions.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def _main(argv: list[str] | None) -> int:
     from ddtree_sglang.sampling import SamplingParams
 
     ap = Parser(prog=PROG, description=__doc__,
-                formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--testbed", type=Path, default=DEFAULT_TESTBED,
                     help="folder with target/, drafter/, prompts.jsonl (default: the shipped one)")
     ap.add_argument("--prompts", type=positive_int, default=4, help="how many prompts (from the top)")

@@ -32,7 +32,7 @@ from ddtree_sglang.bench import client, compare, cost_mode, profile, report
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
-from ddtree_sglang.cli import Parser, positive_int_list
+from ddtree_sglang.cli import CliError, Parser, positive_int_list, run
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
 
 
@@ -338,14 +338,13 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
     return "\n".join(lines)
 
 
-def _fail(message: str) -> int:
-    print(f"serve_bench: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
+    return run(lambda: _main(argv), "serve_bench")
+
+
+def _main(argv: list[str] | None) -> int:
     ap = Parser(prog="serve_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="configs/*.yaml")
     ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")
     ap.add_argument("--concurrency", type=positive_int_list, help="override, e.g. 1,4,16")
@@ -370,25 +369,25 @@ def main(argv: list[str] | None = None) -> int:
             names = [a.name for a in (cost_arms(cfg) if cfg.cost_mode.enabled else cfg.arms)]
             unknown = set(keep) - set(names)
             if unknown:
-                return _fail(f"unknown arms {sorted(unknown)}; this config has {names}")
+                raise CliError(f"unknown arms {sorted(unknown)}; this config has {names}")
             if not cfg.cost_mode.enabled:
                 updates["arms"] = [a for a in cfg.arms if a.name in keep]
         cfg = BenchConfig(**{**cfg.model_dump(), **updates})
     except ConfigError as exc:
-        return _fail(str(exc))
+        raise CliError(str(exc)) from None
     except ValidationError as exc:
-        return _fail(f"after the command-line overrides: {describe_errors(exc)}")
+        raise CliError(f"after the command-line overrides: {describe_errors(exc)}") from None
     if args.dry_run:
         print(plan(cfg, keep))
         return 0
     if args.out is None:
-        return _fail("--out is required (the results folder), except with --dry-run")
+        raise CliError("--out is required (the results folder), except with --dry-run")
     if args.merge_from and not args.report_only:
-        return _fail("--merge-from needs --report-only")
+        raise CliError("--merge-from needs --report-only")
     missing = [str(d / "results.json") for d in [args.out, *args.merge_from]
                if args.report_only and not (d / "results.json").is_file()]
     if missing:
-        return _fail(f"--report-only reads results.json from --out and each --merge-from "
+        raise CliError(f"--report-only reads results.json from --out and each --merge-from "
                      f"folder; missing: {', '.join(missing)}")
     if not args.report_only and not cfg.cost_mode.enabled:
         needed = [cfg.model_path, *([cfg.draft_model_path] if any(a.algorithm for a in cfg.arms)
@@ -396,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                   *([cfg.prompts.source] if cfg.prompts.source.endswith(".jsonl") else [])]
         absent = [p for p in needed if not Path(_abs(p)).exists()]
         if absent:
-            return _fail(f"{', '.join(absent)} not found (relative paths are read from "
+            raise CliError(f"{', '.join(absent)} not found (relative paths are read from "
                          f"{Path.cwd()}); run from the repository root or use absolute paths")
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()

@@ -275,7 +275,6 @@ def kv_move_buffers(allocator):
     if not isinstance(pool, MHATokenToKVPool) or \
             type(pool)._move_kv_cache_impl is not MHATokenToKVPool._move_kv_cache_impl \
             or getattr(pool, "use_hnd", False) or getattr(pool, "use_native_move_kv_cache", False) \
-            or not hasattr(pool, "_slot_move_pointer_buffers") \
             or getattr(pool, "data_ptrs", None) is None or getattr(pool, "page_size", 1) != 1:
         return None
     rows = pool._slot_move_pointer_buffers()

@@ -83,10 +83,10 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
         # What the drafter's layers compute in (its first matrix weight): the target's
-        # embeddings may differ and the drafter's eager path does not convert them.
-        self._draft_weight_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
-                                        if p.dim() == 2 and p.is_floating_point())
-        internals.keep_embeds_dtype(self.draft_model_runner.model, self._draft_weight_dtype)
+        # embeddings may differ, and SGLang's eager path casts them to bfloat16.
+        draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
+                           if p.dim() == 2 and p.is_floating_point())
+        internals.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
         # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
@@ -94,7 +94,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
                         "tree builder %s, drafter weights %s, target embeddings %s", self.budget,
                         self.verify_width, self.block_size, self.depth, builder_name,
-                        self._draft_weight_dtype,
+                        draft_dtype,
                         self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
 
     def _choose_kernels(self) -> str:
@@ -314,10 +314,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             req_to_token=self.model_runner.req_to_token_pool.req_to_token,
             block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
             mask_token_id=int(self._mask_token_id))
-        # Seen: bf16 embeddings for an fp16 drafter, which its eager path (batches above the
-        # largest captured size) does not convert.
-        embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids).to(
-            self._draft_weight_dtype)
+        # The drafter's forward casts these to its own dtype (internals.keep_embeds_dtype).
+        embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids)
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
         cpu_buf = self._draft_seq_lens_cpu_buf[:bs]
         cpu_buf.copy_(seq_lens_cpu)
