@@ -134,6 +134,8 @@ def _error_line(capsys, argv) -> str:
     ("- 1\n- 2\n", "expected a mapping of keys"),
     ("name: x\narms: [{name: a}]\ntemperature: -1\n", "temperature: Input should be greater"),
     ("name: x\narms: [{name: a}]\nconcurrency: [0]\n", "concurrency levels must be >= 1"),
+    ("name: x\narms: [{name: a}]\ncost_mode: {profile_batches: [8, 0]}\n",
+     "cost_mode.profile_batches: every entry must be >= 1; got [8, 0]"),
 ])
 def test_bad_configs_end_in_one_line_naming_the_file(tmp_path, capsys, text, needle):
     path = tmp_path / "bad.yaml"

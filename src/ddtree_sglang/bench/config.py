@@ -70,6 +70,13 @@ class CostMode(_Strict):
     profile_new_tokens: int = Field(384, ge=16, description="tokens per request while profiling "
                                     "(long enough that the batch stays full)")
 
+    @field_validator("batch_sizes", "budgets", "profile_batches")
+    @classmethod
+    def _positive_sizes(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError(f"every entry must be >= 1; got {v}")
+        return v
+
 
 class BenchConfig(_Strict):
     name: str
