@@ -260,16 +260,18 @@ def test_missing_inherited_worker_state_is_named():
     class Worker:
         device = draft_model_runner = model_runner = ps = target_worker = None
         _mask_token_id = 0
+        _draft_block_ids_buf = _draft_block_positions_buf = None
+        _draft_verify_out_cache_loc_buf = None  # _draft_seq_lens_cpu_buf "renamed"
 
         def _ensure_draft_block_buffers(self, bs):
-            self._draft_block_ids_buf = self._draft_block_positions_buf = None
-            self._draft_verify_out_cache_loc_buf = None  # _draft_seq_lens_cpu_buf "renamed"
+            # DFlashWorkerV2 sizes these by its own block size (the verify width): the check
+            # must not allocate them (it did once, and the drafter's graph got 33-wide input)
+            raise AssertionError("check_inherited allocated the draft-block buffers")
 
     with pytest.raises(RuntimeError, match=r"lacks \['_draft_seq_lens_cpu_buf'\]"):
         internals.check_inherited(Worker())
+
     class Complete(Worker):
-        def _ensure_draft_block_buffers(self, bs):
-            super()._ensure_draft_block_buffers(bs)
-            self._draft_seq_lens_cpu_buf = None
+        _draft_seq_lens_cpu_buf = None
 
     internals.check_inherited(Complete())

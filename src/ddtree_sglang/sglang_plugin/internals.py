@@ -124,7 +124,8 @@ NAMES = {
 # What DDTreeWorker reads from DFlashWorkerV2's instance state (checked once it exists).
 INHERITED_ATTRIBUTES = ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
                         "_mask_token_id")
-# ... and the draft-block buffers _ensure_draft_block_buffers(bs) must create.
+# ... and the draft-block buffers _ensure_draft_block_buffers(bs) fills (declared, as None, by
+# DFlashWorkerV2.__init__; allocated at the first decode with the block size DDTREE sets).
 DRAFT_BLOCK_BUFFERS = ("_draft_block_ids_buf", "_draft_block_positions_buf",
                        "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf")
 
@@ -139,9 +140,12 @@ def __getattr__(name: str):
 
 def check_inherited(worker) -> None:
     """Fail at startup, naming them, if DFlashWorkerV2 no longer provides the state DDTREE
-    reads (a renamed buffer would otherwise surface as an AttributeError mid-decode)."""
-    worker._ensure_draft_block_buffers(1)
-    missing = [a for a in INHERITED_ATTRIBUTES + DRAFT_BLOCK_BUFFERS if not hasattr(worker, a)]
+    reads (a renamed buffer would otherwise surface as an AttributeError mid-decode).
+
+    Allocates nothing: DFlashWorkerV2 sizes the buffers with its own block size (the verify
+    width), so buffers made here would be the wrong width for DDTREE's draft block."""
+    wanted = INHERITED_ATTRIBUTES + DRAFT_BLOCK_BUFFERS + ("_ensure_draft_block_buffers",)
+    missing = [a for a in wanted if not hasattr(worker, a)]
     if missing:
         raise RuntimeError(f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed "
                            f"DFlashWorkerV2 lacks {missing}")

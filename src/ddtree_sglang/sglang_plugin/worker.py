@@ -304,6 +304,10 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
         bs, block = len(batch.seq_lens), self.block_size
         self._ensure_draft_block_buffers(bs)
+        width = self._draft_block_ids_buf.shape[1]  # a shape, read on the host
+        if width != block:
+            raise RuntimeError(f"DDTREE: draft-block buffers are {width} wide, the draft block "
+                               f"is {block}")
         block_ids = self._draft_block_ids_buf[:bs]
         positions_2d = self._draft_block_positions_buf[:bs]
         cache_loc_2d = self._draft_verify_out_cache_loc_buf[:bs]
