@@ -30,7 +30,8 @@ case "${1:-}" in
   cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_cost_qwen3_8b.yaml \
              --out "$OUT/cost" ${ARMS:+--arms $ARMS}
          pack "$OUT/cost" ;;
-  profile) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_profile_qwen3_8b.yaml \
+  profile) timeout 90 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -8
+         timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_profile_qwen3_8b.yaml \
              --out "$OUT/profile" ${ARMS:+--arms $ARMS}
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
