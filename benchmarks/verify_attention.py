@@ -8,15 +8,18 @@ kernel both verifies call on Hopper — outside the server, with identical prefi
     mask-16   : 16 query tokens, a chain written as a custom mask
     tree-16   : 16 query tokens, a random tree mask         (DDTREE, B = 15)
     tree-17   : 17 query tokens, a random tree mask         (DDTREE, B = 16)
+    split-16/17: the tree verifies as DDTREE's split attention computes them
+                (sglang_plugin/verify_attention.py: mask-free prefix + masked tree, merged)
 
 and checks that mask-16 gives the same output as chain-16 (the mask is laid out the way the
-backend reads it).  GPU only; needs SGLang's kernels (source scripts/device_env.sh).
+backend reads it) and that the split gives the single masked call's output.  GPU only; needs SGLang's kernels (source scripts/device_env.sh).
 
     python benchmarks/verify_attention.py --out verify_attention.json
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 from pathlib import Path
@@ -64,6 +67,7 @@ def make_case(bs: int, n: int, prefix: int, anc: torch.Tensor | None, dev: str) 
 
 
 def call(fwd, c: dict) -> None:
+    """One attention call of case c with SGLang's positional convention (as the backend)."""
     fwd(c["q"], c["k"], c["v"], c["o"], c["kb"], c["vb"], c["qo"], c["kvp"], c["kvi"],
         c["mask"], True, c["mip"] if c["mask"] is not None else None, c["n"], 1.0, 1.0,
         sm_scale=128 ** -0.5)
@@ -96,6 +100,11 @@ def main() -> None:
         raise CliError("this benchmark times SGLang's CUDA attention kernel and needs a CUDA "
                        "GPU; none is visible on this machine")
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd as fwd
+    from sglang.kernels.ops.attention.merge_state import merge_state_triton
+
+    from ddtree_sglang.sglang_plugin.verify_attention import split_attention
+
+    split = split_attention(fwd, merge_state_triton, inspect.signature(fwd))
 
     dev = "cuda"
     gen = torch.Generator().manual_seed(0)
@@ -114,15 +123,22 @@ def main() -> None:
             row = {"batch": bs, "prefix": prefix, "chain_equals_mask": bool(same)}
             for name, c in cases.items():
                 row[name] = time_ms(fwd, c, args.iters) * args.layers
+            for name in ("tree-16", "tree-17"):
+                c = cases[name]
+                call(fwd, c)
+                single = c["o"].float().clone()
+                row["split" + name[4:]] = time_ms(split, c, args.iters) * args.layers
+                row[f"split{name[4:]}_max_diff"] = float((c["o"].float() - single).abs().max())
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=1) + "\n")
-    print(f"\n{'batch':>5} {'prefix':>6} | per-step ms x{args.layers} layers: "
-          f"{'chain-16':>9} {'mask-16':>9} {'tree-16':>9} {'tree-17':>9} | mask ok")
+    names = ["chain-16", "mask-16", "tree-16", "tree-17", "split-16", "split-17"]
+    print(f"\nper-step ms (one call x {args.layers} layers)")
+    print(f"{'batch':>5} {'prefix':>6} " + " ".join(f"{n:>9}" for n in names)
+          + " | mask ok, split max diff")
     for r in rows:
-        print(f"{r['batch']:>5} {r['prefix']:>6} | {'':>25}{r['chain-16']:9.3f} "
-              f"{r['mask-16']:9.3f} {r['tree-16']:9.3f} {r['tree-17']:9.3f} | "
-              f"{r['chain_equals_mask']}")
+        print(f"{r['batch']:>5} {r['prefix']:>6} " + " ".join(f"{r[n]:9.3f}" for n in names)
+              + f" | {r['chain_equals_mask']}, {r['split-17_max_diff']:.2g}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
-#   ARMS=dflash,ddtree-b15,ddtree-b32 bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
+#   ARMS=dflash,ddtree-b15,ddtree-b15-split bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
 #   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
 # Results are written straight under $OUT (so a run cut short still returns them); server
 # logs are packed into one tarball at the end (at most 8 files come back from $OUT).
@@ -30,7 +30,7 @@ case "${1:-}" in
   cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_cost_qwen3_8b.yaml \
              --out "$OUT/cost" ${ARMS:+--arms $ARMS}
          pack "$OUT/cost" ;;
-  profile) timeout 90 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -8
+  profile) timeout 90 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -10
          timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_profile_qwen3_8b.yaml \
              --out "$OUT/profile" ${ARMS:+--arms $ARMS}
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;

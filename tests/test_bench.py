@@ -239,6 +239,25 @@ def test_cost_mode_arm_filter_is_checked(tmp_path):
                      "ddtree-b128", "ddtree-b256"]
 
 
+def test_arm_environment_is_checked_and_reaches_the_server():
+    from ddtree_sglang.bench.config import Arm, CostMode
+
+    cfg = load_config(ROOT / "configs" / "h200_profile_qwen3_8b.yaml")
+    split = [a for a in serve_bench.cost_arms(cfg) if a.name.endswith("-split")]
+    assert [(a.budget, a.env) for a in split] == [
+        (15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})]
+    spec = serve_bench.server_spec(cfg, split[0], "m", "d")
+    assert spec.env == {"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}
+    for env, message in [({"SGLANG_DDTREE_VERIFY_ATTENTION": "fast"}, "accepted: single, split"),
+                         ({"FOO": "1"}, "unknown env 'FOO'")]:
+        with pytest.raises(ValueError, match=message):
+            Arm(name="x", algorithm="DDTREE", budget=15, env=env)
+    with pytest.raises(ValueError, match="DDTREE arms only"):
+        Arm(name="x", algorithm="DFLASH", env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})
+    with pytest.raises(ValueError, match=">= 1"):
+        CostMode(split_attention_budgets=[0])
+
+
 def test_comma_list_arguments():
     import argparse
 

@@ -12,6 +12,8 @@ import pytest
     ("kernel_interpret_check.py", "KERNEL OK"),        # fused tree selection vs tree.py
     ("kv_move_interpret_check.py", "KV MOVE OK"),      # accepted-KV move vs its reference
     ("logsumexp_interpret_check.py", "LOGSUMEXP OK"),  # float32 logsumexp vs torch
+    # split tree-verify attention (SGLang's kernels) vs the single call and a float32 reference
+    ("verify_attention_interpret_check.py", "VERIFY ATTENTION OK"),
 ])
 def test_kernel_matches_its_reference(script, marker):
     pytest.importorskip("triton")

@@ -275,3 +275,23 @@ def test_missing_inherited_worker_state_is_named():
         _draft_seq_lens_cpu_buf = None
 
     internals.check_inherited(Complete())
+
+
+@pytest.mark.parametrize("change, split", [
+    ({}, True),
+    ({"custom_mask": None}, False),                 # no tree: nothing to split
+    ({"lse_extend": object()}, False),              # the caller wants the LSE itself
+    ({"skip_prefix_custom_mask": False}, False),    # the prefix is masked too
+    ({"sliding_window_size": 128}, False),          # a window hides part of the prefix
+    ({"sliding_window_size": -1}, True),
+    ({"sinks": object()}, False),
+    ({"score_mod": object()}, False),
+    ({"skip_prefix": True}, False),
+])
+def test_split_verify_attention_only_where_it_is_exact(change, split):
+    from ddtree_sglang.sglang_plugin.verify_attention import splittable
+
+    base = dict(custom_mask=object(), lse_extend=None, skip_prefix=False, skip_extend=False,
+                skip_prefix_custom_mask=True, sinks=None, score_mod=None,
+                window_kv_offsets=None, sliding_window_size=None)
+    assert splittable({**base, **change}) is split

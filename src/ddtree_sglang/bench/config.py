@@ -25,6 +25,8 @@ class Arm(_Strict):
     name: str
     algorithm: Optional[Literal["DFLASH", "DDTREE"]] = None
     budget: Optional[int] = Field(None, ge=1, description="DDTREE tree budget B")
+    env: dict[str, str] = Field({}, description="DDTREE environment knobs for this arm's server "
+                                "(SGLANG_DDTREE_*, checked against their accepted values)")
 
     @model_validator(mode="after")
     def _budget_only_for_ddtree(self) -> "Arm":
@@ -32,6 +34,17 @@ class Arm(_Strict):
             raise ValueError(f"arm {self.name}: DDTREE needs a budget")
         if self.algorithm != "DDTREE" and self.budget is not None:
             raise ValueError(f"arm {self.name}: budget applies to DDTREE only")
+        from ddtree_sglang.sglang_plugin.server_args import ENV_CHOICES
+
+        for key, value in self.env.items():
+            if self.algorithm != "DDTREE":
+                raise ValueError(f"arm {self.name}: env applies to DDTREE arms only")
+            if key not in ENV_CHOICES:
+                raise ValueError(f"arm {self.name}: unknown env {key!r}; accepted: "
+                                 f"{', '.join(sorted(ENV_CHOICES))}")
+            if value not in ENV_CHOICES[key]:
+                raise ValueError(f"arm {self.name}: {key}={value!r}; accepted: "
+                                 f"{', '.join(ENV_CHOICES[key])}")
         return self
 
 
@@ -69,8 +82,10 @@ class CostMode(_Strict):
     profile_steps: int = Field(20, ge=1, description="decode steps recorded per profile")
     profile_new_tokens: int = Field(384, ge=16, description="tokens per request while profiling "
                                     "(long enough that the batch stays full)")
+    split_attention_budgets: list[int] = Field([], description="budgets also measured with the "
+                                               "split verify attention (arm ddtree-b<B>-split)")
 
-    @field_validator("batch_sizes", "budgets", "profile_batches")
+    @field_validator("batch_sizes", "budgets", "profile_batches", "split_attention_budgets")
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
         if any(x < 1 for x in v):

@@ -67,7 +67,7 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
         max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
         max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
-        extra_args=list(extra), launcher_module=cfg.launcher_module)
+        extra_args=list(extra), launcher_module=cfg.launcher_module, env=dict(arm.env))
 
 
 def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:
@@ -196,7 +196,10 @@ def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, c
 
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
     return [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
-        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets]
+        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets] + [
+        Arm(name=f"ddtree-b{b}-split", algorithm="DDTREE", budget=b,
+            env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})
+        for b in cfg.cost_mode.split_attention_budgets]
 
 
 def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None,

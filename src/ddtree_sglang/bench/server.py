@@ -44,6 +44,7 @@ class ServerSpec:
     sleep_on_idle: bool = False  # idle servers beside a measured one must not spin a CPU core
     extra_args: list[str] = field(default_factory=list)
     launcher_module: str = "sglang.launch_server"  # tests substitute a stand-in server
+    env: dict[str, str] = field(default_factory=dict)  # e.g. a DDTREE knob for this arm only
 
     def cli(self, port: int) -> list[str]:
         args = [sys.executable, "-m", self.launcher_module, "--model-path", self.model_path,
@@ -90,7 +91,7 @@ class Server:
         return self.wait_healthy(timeout)
 
     def launch(self) -> None:
-        env = dict(os.environ, **self.env)
+        env = dict(os.environ, **self.spec.env, **self.env)
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,15 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.FULL": (),
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.NULL": (),
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.DFLASH": (),
+    # the split tree-verify attention (verify_attention.py): the Triton backend's extend kernel,
+    # held as an instance attribute, and the LSE merge SGLang uses for context parallelism
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend": (),
+    "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd":
+        ("q_extend", "o_extend", "custom_mask", "mask_indptr", "lse_extend", "skip_prefix",
+         "skip_extend", "skip_prefix_custom_mask", "sliding_window_size", "sinks",
+         "window_kv_offsets", "score_mod"),
+    "sglang.kernels.ops.attention.merge_state.merge_state_triton":
+        ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output"),
 }
 
 # The SGLang names the worker uses, as `internals.<short name>` (resolved on first use).  Every
@@ -117,6 +126,8 @@ NAMES = {
     "make_draft_block_spec_info":
         "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",
     "build_block_pos_offsets": "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
+    "extend_attention_fwd": "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd",
+    "merge_state_triton": "sglang.kernels.ops.attention.merge_state.merge_state_triton",
     "top_k_renorm_prob": "sgl_kernel.top_k_renorm_prob",
     "top_p_renorm_prob": "sgl_kernel.top_p_renorm_prob",
 }
@@ -284,6 +295,26 @@ def kv_move_buffers(allocator):
     rows = pool._slot_move_pointer_buffers()
     max_bytes = max(int(x[0].numel()) * x.element_size() for x in rows)
     return pool.data_ptrs, pool.data_strides, max_bytes
+
+
+def split_verify_attention(backend, check, wrap) -> str | None:
+    """Replace the target Triton backend's extend kernel by `wrap(single, merge, signature)`
+    (the split tree-verify attention of verify_attention.py) if `check(single, merge,
+    signature)` accepts it on this GPU.  Returns why not (None when installed).  Must run
+    before the target's CUDA graphs are captured: they record whichever function is called."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    if not isinstance(backend, TritonAttnBackend):
+        return f"the target's attention backend is {type(backend).__name__}, not triton"
+    single = getattr(backend, "extend_attention_fwd", None)
+    if single is None:
+        return "the triton backend has no extend_attention_fwd attribute"
+    signature = inspect.signature(resolve(NAMES["extend_attention_fwd"]))
+    merge = resolve(NAMES["merge_state_triton"])
+    why = check(single, merge, signature)
+    if why is None:
+        backend.extend_attention_fwd = wrap(single, merge, signature)
+    return why
 
 
 def declare_server_args(server_args, fields: dict) -> None:

@@ -42,7 +42,10 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
 
 
 ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
-               "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton")}
+               "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton"),
+               # verify attention with the triton backend: one masked kernel call (single) or
+               # prefix + tree partial attentions merged by LSE (split; verify_attention.py)
+               "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split")}
 
 
 def env_setting(name: str) -> str:

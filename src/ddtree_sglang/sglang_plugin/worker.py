@@ -32,6 +32,7 @@ from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import env_setting
+from ddtree_sglang.sglang_plugin.verify_attention import check_split_attention, split_attention
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,26 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                                "builder builds the same trees", why)
                 self._builder, name = select_builder("torch", self.budget, self.depth)
         return name
+
+    def init_attention_backends(self):
+        """After SGLang made the target's attention backend (it runs first) and before any
+        graph is captured: the split tree-verify attention, if asked for and exact here."""
+        super().init_attention_backends()
+        if env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") != "split":
+            return
+        head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
+
+        def check(single, merge, signature):
+            return check_split_attention(single, merge, signature, self.device, head_dtype)
+
+        why = internals.split_verify_attention(self.target_worker.model_runner.attn_backend,
+                                               check, split_attention)
+        if self.ps.tp_rank == 0:
+            if why is None:
+                logger.info("DDTREE verify attention: split (mask-free prefix + masked tree, "
+                            "merged by log-sum-exp)")
+            else:
+                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()

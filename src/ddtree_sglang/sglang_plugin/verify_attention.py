@@ -1,0 +1,132 @@
+"""Tree verify attention as two partial attentions: the prefix without a mask, the tree with one.
+
+SGLang's Triton extend kernel has one variant for a custom (tree) mask.  Although it skips the
+mask on the cached prefix, that variant's prefix loop is 15-26% slower than the causal one at
+batch 64, Qwen3-8B shapes, for the very same chain (benchmarks/verify_attention.py, H200,
+2026-12-03): +3.7 ms of a 59 ms DDTREE step.  A verify query sees its whole prefix, so
+attention splits exactly into
+
+    prefix part: the mask-free variant over the cached prefix only (skip_extend), and
+    tree part:   the masked variant over the <= B + 1 tree tokens only (skip_prefix),
+
+each returning its normalised output and log-sum-exp, merged by SGLang's `merge_state_triton`
+(the split SGLang itself uses for decode context parallelism).  The merge is the same
+arithmetic as the kernel's online softmax, in float32, so the result equals the single call's
+up to float rounding; the worker compares the two on its GPU at startup and keeps the single
+call if they differ.  Calls that are not a tree verify (no mask, a windowed or masked prefix,
+sinks, score mods, an LSE already asked for) go to the single kernel unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+# Keyword values under which the split is exact (anything else: the single call).
+_SPLIT_REQUIRES = {"lse_extend": None, "skip_prefix": False, "skip_extend": False,
+                   "skip_prefix_custom_mask": True, "sinks": None, "score_mod": None,
+                   "window_kv_offsets": None}
+
+
+def splittable(args: dict) -> bool:
+    """Whether a bound extend_attention_fwd call is a tree verify the split computes exactly:
+    a custom mask whose prefix part is not applied (every query sees the whole prefix)."""
+    if args.get("custom_mask") is None:
+        return False
+    if any(args.get(name, value) is not value for name, value in _SPLIT_REQUIRES.items()):
+        return False
+    window = args.get("sliding_window_size", -1)
+    return window is None or window < 0
+
+
+def split_attention(single: Callable, merge: Callable,
+                    signature: inspect.Signature) -> Callable:
+    """An extend_attention_fwd with `single`'s signature that splits tree verifies."""
+
+    def attend(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        if not splittable(call):
+            return single(*args, **kwargs)
+        out = call["o_extend"]
+        tokens, heads, width = out.shape
+        prefix_out = torch.empty(tokens, heads, width, device=out.device, dtype=torch.float32)
+        prefix_lse = torch.empty(tokens, heads, device=out.device, dtype=torch.float32)
+        tree_out, tree_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
+        single(**{**call, "o_extend": prefix_out, "lse_extend": prefix_lse, "skip_extend": True,
+                  "custom_mask": None, "mask_indptr": None})
+        single(**{**call, "o_extend": tree_out, "lse_extend": tree_lse, "skip_prefix": True})
+        merge(prefix_out, prefix_lse, tree_out, tree_lse, output=out)
+        return out
+
+    attend.__wrapped__ = single
+    return attend
+
+
+def _case(bs: int, n: int, prefix: int, heads: int, kv_heads: int, dim: int, device,
+          dtype) -> tuple[dict, torch.Tensor]:
+    """A random tree verify: bs requests of `prefix` cached tokens and an n-node tree each.
+    Returns extend_attention_fwd's arguments and the [bs * n, heads, n + prefix] visibility."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i]]
+    rows = torch.cat([torch.ones(n, prefix, dtype=torch.bool), anc], dim=1)  # [n, prefix + n]
+    args = dict(
+        q_extend=rnd(bs * n, heads, dim), k_extend=rnd(bs * n, kv_heads, dim),
+        v_extend=rnd(bs * n, kv_heads, dim),
+        o_extend=torch.zeros(bs * n, heads, dim, device=device, dtype=dtype),
+        k_buffer=rnd(bs * prefix, kv_heads, dim), v_buffer=rnd(bs * prefix, kv_heads, dim),
+        qo_indptr=(torch.arange(bs + 1) * n).to(device),
+        kv_indptr=(torch.arange(bs + 1) * prefix).to(device=device, dtype=torch.int32),
+        kv_indices=torch.randperm(bs * prefix, generator=gen).to(device),
+        custom_mask=rows.reshape(-1).repeat(bs).to(device), is_causal=True,
+        mask_indptr=(torch.arange(bs + 1) * n * (prefix + n)).to(device),
+        max_len_extend=n, k_scale=1.0, v_scale=1.0, sm_scale=dim ** -0.5)
+    return args, rows
+
+
+def reference_attention(args: dict, rows: torch.Tensor, bs: int, prefix: int) -> torch.Tensor:
+    """Plain PyTorch masked attention of a `_case` (float32): the kernels' common reference."""
+    q, k, v = args["q_extend"].float(), args["k_extend"].float(), args["v_extend"].float()
+    n, heads = rows.shape[0], q.shape[1]
+    group = heads // k.shape[1]
+    kb = args["k_buffer"].float()[args["kv_indices"].long()].view(bs, prefix, -1, q.shape[-1])
+    vb = args["v_buffer"].float()[args["kv_indices"].long()].view(bs, prefix, -1, q.shape[-1])
+    keys = torch.cat([kb, k.view(bs, n, -1, q.shape[-1])], 1).repeat_interleave(group, 2)
+    vals = torch.cat([vb, v.view(bs, n, -1, q.shape[-1])], 1).repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.view(bs, n, heads, -1), keys) * args["sm_scale"]
+    scores = scores.masked_fill(~rows.to(q.device).view(1, 1, n, -1), float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vals)
+    return out.reshape(bs * n, heads, -1)
+
+
+def check_split_attention(single: Callable, merge: Callable, signature: inspect.Signature,
+                          device, dtype=torch.bfloat16) -> str | None:
+    """Why the split cannot replace the single call on this device (None if it can): on a
+    random tree verify both must agree with each other and with the float32 reference."""
+    try:
+        bs, n, prefix = 3, 17, 40
+        tol = 2e-2 if dtype != torch.float32 else 1e-4
+        args, rows = _case(bs, n, prefix, 8, 2, 64, device, dtype)
+        single(**args)
+        expected = args["o_extend"].float().clone()
+        reference = reference_attention(args, rows, bs, prefix)
+        args["o_extend"].zero_()
+        split_attention(single, merge, signature)(**args)
+        got = args["o_extend"].float()
+        if not (got - expected).abs().max() <= tol:
+            return f"it differs from the single call by {(got - expected).abs().max():.3g}"
+        if not (got - reference).abs().max() <= tol:
+            return f"it differs from the float32 reference by {(got - reference).abs().max():.3g}"
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the single call
+        return f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -1,0 +1,46 @@
+"""The split tree-verify attention (sglang_plugin/verify_attention.py) with SGLang's own Triton
+extend kernel and LSE merge, run by the Triton interpreter on the CPU (set TRITON_INTERPRET=1
+before importing triton; used by test_kernels.py): the split equals the single masked call and
+the float32 reference on random trees, and calls it must not split go to the single kernel."""
+import inspect
+
+import torch
+
+from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin.verify_attention import (_case, check_split_attention,
+                                                          reference_attention, split_attention)
+
+
+def main() -> None:
+    single = internals.resolve(internals.NAMES["extend_attention_fwd"])
+    merge = internals.resolve(internals.NAMES["merge_state_triton"])
+    signature = inspect.signature(single)
+    # the worker's startup check, in float32 on the CPU
+    assert check_split_attention(single, merge, signature, "cpu", torch.float32) is None
+    split = split_attention(single, merge, signature)
+    cases = 0
+    for bs, n, prefix in [(1, 5, 3), (2, 17, 9), (3, 8, 1)]:
+        args, rows = _case(bs, n, prefix, 4, 2, 16, "cpu", torch.float32)
+        split(**args)
+        got = args["o_extend"].clone()
+        assert (got - reference_attention(args, rows, bs, prefix)).abs().max() < 1e-4, (bs, n)
+        args["o_extend"].zero_()
+        single(**args)
+        assert (got - args["o_extend"]).abs().max() < 1e-4, (bs, n)
+        cases += 1
+    # not a tree verify the split can compute exactly -> the single call, untouched arguments
+    calls = []
+
+    def recording(*a, **k):
+        calls.append(k)
+
+    args, _ = _case(1, 4, 2, 2, 1, 16, "cpu", torch.float32)
+    lse = torch.zeros(4, 2)
+    split_attention(recording, merge, signature)(**{**args, "lse_extend": lse})
+    split_attention(recording, merge, signature)(**{**args, "custom_mask": None})
+    assert len(calls) == 2 and calls[0]["lse_extend"] is lse and "skip_extend" not in calls[0]
+    print("VERIFY ATTENTION OK", cases)
+
+
+if __name__ == "__main__":
+    main()
