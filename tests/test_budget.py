@@ -81,3 +81,69 @@ def test_calibration_learns_per_depth_ratios():
     assert cal.corrected(predicted).item() == pytest.approx(5.0)
     with pytest.raises(ValueError, match="decay"):
         DepthCalibration(3, decay=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), big=st.integers(2, 40), depth=st.integers(1, 5))
+def test_truncating_the_largest_tree_gives_every_smaller_budgets_tree(seed, big, depth):
+    from ddtree_sglang.tree import count_prefixes, truncate_tree
+
+    big = min(big, count_prefixes(depth, 12, big))  # a depth-1 draft has only 12 prefixes
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, depth, 12, generator=g) * 3
+    tree = build_draft_tree(logits, big)
+    for b in range(1, big + 1):
+        cut, built = truncate_tree(tree, b), build_draft_tree(logits, b)
+        for name in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(cut, name), getattr(built, name)), (b, name)
+        assert torch.allclose(cut.scores, built.scores)
+    with pytest.raises(ValueError, match=f"1..{big}"):
+        truncate_tree(tree, big + 1)
+
+
+def test_step_costs_lookup_and_checks():
+    from ddtree_sglang.budget import StepCosts
+
+    costs = StepCosts.from_cost_rows([
+        dict(algorithm="DDTREE", batch_size=1, budget=15, step_ms=8.0),
+        dict(algorithm="DDTREE", batch_size=1, budget=31, step_ms=8.5),
+        dict(algorithm="DDTREE", batch_size=8, budget=15, step_ms=11.0),
+        dict(algorithm="DFLASH", batch_size=1, budget=None, step_ms=7.9)])
+    assert costs.row(1, [15, 31]).tolist() == [8.0, 8.5]
+    assert costs.row(4, [15, 31]).tolist() == [11.0, float("inf")]  # next larger batch
+    assert costs.row(64, [15]).tolist() == [11.0]                   # beyond: the largest
+    with pytest.raises(ValueError, match="positive"):
+        StepCosts({1: {15: 0.0}})
+    with pytest.raises(ValueError, match="at least one"):
+        StepCosts({})
+
+
+def test_controller_prefers_wide_trees_when_cheap_and_narrow_when_not():
+    from ddtree_sglang.budget import BudgetController, StepCosts
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 6, 50, generator=g)
+    tree = build_draft_tree(logits, 32)
+    flat = BudgetController([4, 16, 32], StepCosts({4: {4: 10.0, 16: 10.0, 32: 10.0}}), 6)
+    steep = BudgetController([4, 16, 32], StepCosts({4: {4: 10.0, 16: 40.0, 32: 80.0}}), 6)
+    assert flat.choose(tree).budget == 32 and steep.choose(tree).budget == 4
+    with pytest.raises(ValueError, match="largest budget 32"):
+        flat.choose(build_draft_tree(logits, 16))
+    with pytest.raises(ValueError, match="ascending"):
+        BudgetController([16, 4], StepCosts({1: {4: 1.0}}), 6)
+
+
+def test_controller_learns_that_the_target_rejects_deep_tokens():
+    """A target that never accepts beyond depth 1 makes wide trees worthless: once calibrated,
+    the controller picks the smallest budget even where the drafter alone would go wide."""
+    from ddtree_sglang.budget import BudgetController, StepCosts
+
+    logits = torch.zeros(2, 6, 50)
+    logits[:, :, 0] = 6.0  # a confident drafter: deep prefixes look likely
+    tree = build_draft_tree(logits, 16)
+    ctl = BudgetController([2, 16], StepCosts({2: {2: 10.0, 16: 13.0}}), 6, decay=0.5)
+    assert ctl.choose(tree).budget == 16
+    for _ in range(20):
+        ctl.observe(ctl.choose(tree), torch.tensor([1, 1]))
+    assert ctl.choose(tree).budget == 2

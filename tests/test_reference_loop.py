@@ -82,3 +82,19 @@ def test_bad_inputs(spec):
         spec.generate([], 4)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)
+
+
+def test_adaptive_budget_is_lossless_and_recorded(spec):
+    """A budget chosen per step (truncating one tree) keeps greedy output equal to AR."""
+    from ddtree_sglang.budget import BudgetController, StepCosts
+
+    depth = spec.cfg.block_size - 1
+    prompt = PROMPTS[0]
+    ar = spec.generate(prompt, 40, mode="ar")
+    for costs in ({1: {1: 1.0, 4: 1.0, 16: 1.0}}, {1: {1: 1.0, 4: 3.0, 16: 9.0}}):
+        ctl = BudgetController([1, 4, 16], StepCosts(costs), depth)
+        auto = spec.generate(prompt, 40, mode="ddtree", budget=ctl)
+        assert auto.tokens == ar.tokens
+        assert len(auto.budgets) == len(auto.accept_lens)
+        assert set(auto.budgets) <= {1, 4, 16}
+    assert spec.generate(prompt, 10, mode="ddtree", budget=4).budgets[0] == 4

@@ -13,13 +13,22 @@ times per (batch size, budget), measured by the engine.  `choose_budget` then ma
 
     batch committed tokens / step time
 
-over the budgets that have a cost.  Everything here is batched tensor code without host
-synchronisation, so an engine can run it on the GPU and use the previous step's choice.
+over the budgets that have a cost.  The functions are batched tensor code without host
+synchronisation, so an engine can run them on the GPU and use the previous step's choice.
+`BudgetController` ties them together around one verify (its `choose` returns the cut tree,
+reading the choice on the host): the reference loop uses it as is.
+
+Because the builder's trees are best-first and prefix-closed, one tree built with the largest
+candidate budget yields every smaller budget's tree by truncation (`tree.truncate_tree`).
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
+
+from ddtree_sglang.tree import DraftTree, truncate_tree
 
 
 def expected_by_depth(scores: torch.Tensor, depths: torch.Tensor, budgets: list[int],
@@ -84,3 +93,71 @@ def choose_budget(batch_size: int, expected_accepted: torch.Tensor,
     rate = (expected_accepted + batch_size) / step_ms
     return torch.argmax(rate)  # first maximum
 
+
+
+class StepCosts:
+    """Measured step time (ms) per (batch size, budget): the cost side of the choice.
+
+    A batch size between measured ones takes the next larger measured one (a conservative
+    cost), beyond the largest the largest; a budget without a measurement is never chosen."""
+
+    def __init__(self, table: dict[int, dict[int, float]]) -> None:
+        if not table or any(not row for row in table.values()):
+            raise ValueError("step costs need at least one batch size with at least one budget")
+        for bs, row in table.items():
+            for b, ms in row.items():
+                if bs < 1 or b < 1 or not ms > 0:
+                    raise ValueError(f"step cost of batch {bs}, budget {b} must be a positive "
+                                     f"time at batch >= 1, budget >= 1; got {ms}")
+        self.table = {int(bs): {int(b): float(ms) for b, ms in row.items()}
+                      for bs, row in table.items()}
+        self.batches = sorted(self.table)
+
+    @classmethod
+    def from_cost_rows(cls, rows: list[dict]) -> "StepCosts":
+        """From the cost mode's rows (benchmarks' results.json `cost_rows`): DDTREE arms only."""
+        table: dict[int, dict[int, float]] = {}
+        for r in rows:
+            if r.get("algorithm") == "DDTREE" and r.get("step_ms"):
+                table.setdefault(int(r["batch_size"]), {})[int(r["budget"])] = float(r["step_ms"])
+        return cls(table)
+
+    def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
+        """[len(budgets)] step times at this batch size, inf where not measured."""
+        i = min(bisect.bisect_left(self.batches, batch_size), len(self.batches) - 1)
+        measured = self.table[self.batches[i]]
+        return torch.tensor([measured.get(b, float("inf")) for b in budgets])
+
+
+class BudgetController:
+    """Per step: build the largest tree once, verify its best b nodes for the b that commits
+    the most tokens per millisecond, and learn from what the target accepted.
+
+    The engine-agnostic half of the batch-aware budget: an engine supplies the step costs of
+    the budgets it can verify and calls `choose` and `observe` around each verify."""
+
+    def __init__(self, budgets: list[int], costs: StepCosts, max_depth: int,
+                 decay: float = 0.95) -> None:
+        if not budgets or sorted(set(budgets)) != list(budgets) or budgets[0] < 1:
+            raise ValueError(f"budgets must be distinct, ascending and >= 1; got {budgets}")
+        self.budgets = list(budgets)
+        self.costs = costs
+        self.max_depth = max_depth
+        self.calibration = DepthCalibration(max_depth, decay)
+
+    def choose(self, tree: DraftTree) -> DraftTree:
+        """The tree to verify: `tree` (built with the largest budget) cut to the chosen b."""
+        if tree.budget != self.budgets[-1]:
+            raise ValueError(f"build the tree with the largest budget {self.budgets[-1]}; "
+                             f"got {tree.budget} nodes")
+        predicted = expected_by_depth(tree.scores, tree.depths, self.budgets, self.max_depth)
+        expected = self.calibration.corrected(predicted.cpu())
+        index = int(choose_budget(tree.batch_size, expected,
+                                  self.costs.row(tree.batch_size, self.budgets)))
+        return truncate_tree(tree, self.budgets[index])
+
+    def observe(self, verified: DraftTree, accepted: torch.Tensor) -> None:
+        """accepted [bs]: draft tokens each request accepted from `verified` (bonus excluded)."""
+        predicted = expected_by_depth(verified.scores, verified.depths, [verified.budget],
+                                      self.max_depth)[0]
+        self.calibration.update(predicted.cpu(), accepted.cpu())

@@ -118,6 +118,19 @@ def check_logsumexp_kernel(vocab: int, device, dtype: torch.dtype) -> str | None
     return why
 
 
+def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
+    """The tree of the `budget` best prefixes, taken from a larger tree without rebuilding.
+
+    Exact because the builder's output is best-first and prefix-closed: a prefix scores at most
+    its parent (log-probabilities only fall along a path), so the b best prefixes of a request
+    are the first b nodes of its B-best tree for every b <= B, and each of their parents comes
+    before them.  This is what lets one tree stage serve every candidate budget."""
+    if not 1 <= budget <= tree.budget:
+        raise ValueError(f"budget must be in 1..{tree.budget} (the tree's size); got {budget}")
+    return DraftTree(tree.tokens[:, :budget], tree.parents[:, :budget],
+                     tree.depths[:, :budget], tree.scores[:, :budget])
+
+
 def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
     """The DFlash chain as a tree: the argmax token of every position, one node per depth."""
     batch, depth, _ = draft_logits.shape

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.budget import BudgetController
 from ddtree_sglang.dflash_config import untappable_layers
 from ddtree_sglang.layout import build_verify_layout
 from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
@@ -36,6 +37,7 @@ Mode = Literal["ar", "chain", "ddtree"]
 class GenerationResult:
     tokens: list[int]
     accept_lens: list[int] = field(default_factory=list)  # per verify step, bonus included
+    budgets: list[int] = field(default_factory=list)  # tree nodes verified per DDTree step
     target_forwards: int = 0  # decode-time target passes (prefill excluded)
     seconds: float = 0.0
 
@@ -106,11 +108,13 @@ class ReferenceSpeculator:
     # -- generation --------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, mode: Mode = "ddtree",
-                 budget: int = 32, sampling: SamplingParams = SamplingParams(),
+                 budget: int | BudgetController = 32,
+                 sampling: SamplingParams = SamplingParams(),
                  seed: int = 0, penalties: RequestPenalties = RequestPenalties()
                  ) -> GenerationResult:
         """`seed` seeds this call's generator; `sampling.seed` (if set) instead makes every
-        draw a function of (seed, position), identical across modes and budgets."""
+        draw a function of (seed, position), identical across modes and budgets.  `budget` is
+        a fixed B or a BudgetController that picks B per step (and learns from acceptance)."""
         if mode not in ("ar", "chain", "ddtree"):
             raise ValueError(f"mode must be one of ar, chain, ddtree; got {mode!r}")
         if not prompt:
@@ -137,8 +141,10 @@ class ReferenceSpeculator:
                 new = [self._choose(logits[-1:], ids.new_tensor([len(ids) - 1]), state,
                                     sampling, gen)]
             else:
-                ids, feats, new = self._spec_step(ids, feats, out[-1], mode, budget, sampling,
-                                                  gen, state)
+                ids, feats, new, nodes = self._spec_step(ids, feats, out[-1], mode, budget,
+                                                         sampling, gen, state)
+                if mode == "ddtree":
+                    result.budgets.append(nodes)
             out.extend(new)
             state.extend(new)
             result.accept_lens.append(len(new))
@@ -155,12 +161,18 @@ class ReferenceSpeculator:
         return int(target_choice(logits, [sampling], gen, positions.view(1, 1))[0, 0])
 
     def _spec_step(self, ids: torch.Tensor, feats: torch.Tensor, bonus: int, mode: Mode,
-                   budget: int, sampling: SamplingParams, gen: torch.Generator,
-                   state: "_History"):
-        """ids: committed tokens before the bonus (features known for all of them)."""
+                   budget: int | BudgetController, sampling: SamplingParams,
+                   gen: torch.Generator, state: "_History"):
+        """ids: committed tokens before the bonus (features known for all of them).  Returns
+        the new ids and features, the emitted tokens and the number of tree nodes verified."""
         start = ids.shape[0]
         dl = self.draft_logits(feats, bonus)
-        tree = chain_tree(dl) if mode == "chain" else build_draft_tree(dl, budget)
+        if mode == "chain":
+            tree = chain_tree(dl)
+        elif isinstance(budget, BudgetController):
+            tree = budget.choose(build_draft_tree(dl, budget.budgets[-1]))
+        else:
+            tree = build_draft_tree(dl, budget)
         root = ids.new_tensor([bonus])
         layout = build_verify_layout(tree, root, ids.new_tensor([start]))
         n = layout.num_tokens_per_req
@@ -177,11 +189,13 @@ class ReferenceSpeculator:
         acc = accept_tree(tokens2d, layout.tree_parents, layout.tree_depths, choice,
                           max_depth=self.cfg.draft_depth)
         k = int(acc.accept_len[0])
+        if isinstance(budget, BudgetController) and mode == "ddtree":
+            budget.observe(tree, acc.accept_len - 1)
         emitted = committed_tokens(tokens2d, acc)[0, :k].tolist()
         path = acc.accept_path[0, :k]
         new_ids = torch.cat([ids, tokens2d[0, path]])  # root (old bonus) + accepted nodes
         new_feats = torch.cat([all_feats[:start], all_feats[start + path]])
-        return new_ids, new_feats, emitted
+        return new_ids, new_feats, emitted, tree.budget
 
 
 class _History:
