@@ -105,6 +105,12 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
     finally:
         log = server.log_tail(400)
         res["leak_in_log"] = "memory leak" in log or "use-after-free" in log
+        # which DDTREE kernels served (a fallback is logged as "DDTREE: ... not used ...")
+        full = server.log_path.read_text(errors="ignore")
+        res["ddtree_fallbacks"] = [line.split("DDTREE: ", 1)[1][:160]
+                                   for line in full.splitlines()
+                                   if "DDTREE: " in line and ("not used" in line or "stays" in line)]
+        res["split_attention"] = "DDTREE verify attention: split" in full
         res["traceback_in_log"] = "Traceback" in log
         server.stop()
     return res
@@ -155,6 +161,9 @@ def main() -> None:
                                         args.budget + 1, attention_backend="flashinfer"),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
+        # the split verify attention (prefix without mask + tree with it, merged by LSE)
+        "ddtree_split": ServerSpec(target, "ddtree_split", "DDTREE", drafter, args.budget + 1,
+                                   env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
     }
