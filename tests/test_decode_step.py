@@ -90,3 +90,32 @@ def test_a_failing_logsumexp_kernel_is_switched_off(monkeypatch):
     monkeypatch.setitem(tree.LSE_KERNEL, "enabled", True)
     assert "RuntimeError: PTX" in tree.check_logsumexp_kernel(100, "cpu", torch.float32)
     assert tree.LSE_KERNEL["enabled"] is False
+
+
+def test_random_verified_trees_and_a_failing_accept_kernel(monkeypatch):
+    from ddtree_sglang.decode_step import (accept_stage, check_accept_kernel,
+                                           random_verified_trees)
+    from ddtree_sglang.kernels import accept
+
+    tokens, parents, depths, choice = random_verified_trees(3, 20, 4, 3, torch.Generator(), "cpu")
+    assert (parents[:, 0] == -1).all() and (parents[:, 1:] < torch.arange(1, 20)).all()
+    assert depths.max() <= 4
+    for r in range(3):  # siblings carry distinct tokens, so at most one child can match
+        for p in range(20):
+            kids = tokens[r][parents[r] == p]
+            assert len(set(kids.tolist())) == len(kids)
+    commit_lens = accept_stage(tokens, parents, depths, choice, 4, 5)[0]
+    assert (commit_lens >= 1).all() and (commit_lens > 1).any()  # the target follows the tree
+
+    def wrong(*args):
+        out = list(accept_stage(*args))
+        out[0] = out[0] + 1
+        return tuple(out)
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(accept, "accept_stage_triton", wrong)
+    assert "accepted differently" in check_accept_kernel("cpu")
+    monkeypatch.setattr(accept, "accept_stage_triton", broken)
+    assert "RuntimeError: no kernel" in check_accept_kernel("cpu")

@@ -12,6 +12,7 @@ import pytest
     ("kernel_interpret_check.py", "KERNEL OK"),        # fused tree selection vs tree.py
     ("kv_move_interpret_check.py", "KV MOVE OK"),      # accepted-KV move vs its reference
     ("logsumexp_interpret_check.py", "LOGSUMEXP OK"),  # float32 logsumexp vs torch
+    ("accept_interpret_check.py", "ACCEPT OK"),        # fused acceptance walk vs accept_stage
     # split tree-verify attention (SGLang's kernels) vs the single call and a float32 reference
     ("verify_attention_interpret_check.py", "VERIFY ATTENTION OK"),
 ])

@@ -3,7 +3,8 @@ module (plus `graphed` and `sampling`):
 
 * the two fixed-shape stages it replays from CUDA graphs: drafter logits -> tree + verify
   layout (`tree_stage`, with the builder chosen by `select_builder`), and target choices ->
-  acceptance in the form a KV-cache commit needs (`accept_stage`);
+  acceptance in the form a KV-cache commit needs (`accept_stage`, or its one-launch Triton
+  twin `fused_accept_stage()`, checked by `check_accept_kernel`);
 * the tree attention mask in SGLang's FULL_MASK format (`verify_mask`), the per-node penalties
   (`penalise_nodes`), and the KV moves that put the accepted path at its committed positions
   (`kv_moves`, `move_rows`).
@@ -24,7 +25,8 @@ from ddtree_sglang.layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 from ddtree_sglang.tree import DraftTree, build_draft_tree, check_logsumexp_kernel
 
-__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_builder",
+__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_accept_kernel", "check_builder",
+           "fused_accept_stage",
            "check_kv_move_kernel", "check_logsumexp_kernel", "kv_moves",
            "move_rows", "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
 
@@ -115,6 +117,59 @@ def accept_stage(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
     out_tokens = committed_tokens(tokens, acc)[:, :out_width].clamp(min=0)
     return (acc.accept_len.to(torch.int32), accept_index.to(torch.int32),
             path.clamp(min=0) + rows, acc.bonus, out_tokens)
+
+
+def random_verified_trees(bs: int, n: int, depth: int, vocab: int, gen: torch.Generator,
+                          device) -> tuple[torch.Tensor, ...]:
+    """(tokens, parents, depths, choice) of bs random verify blocks of n nodes (root at 0,
+    siblings with distinct tokens, depth <= `depth`) and target choices that follow the tree
+    often: test material for the acceptance walk."""
+    parents = torch.full((bs, n), -1, dtype=torch.long)
+    depths = torch.zeros((bs, n), dtype=torch.long)
+    tokens = torch.zeros((bs, n), dtype=torch.long)
+    for r in range(bs):
+        used: dict[int, set] = {}
+        for i in range(1, n):
+            open_ = [p for p in range(i) if depths[r, p] < depth and
+                     len(used.get(p, ())) < vocab]  # room for a child with a new token
+            p = open_[int(torch.randint(0, len(open_), (1,), generator=gen))]
+            t = int(torch.randint(0, vocab, (1,), generator=gen))
+            while t in used.setdefault(p, set()):
+                t = (t + 1) % vocab
+            used[p].add(t)
+            parents[r, i], depths[r, i], tokens[r, i] = p, depths[r, p] + 1, t
+    choice = torch.randint(0, vocab, (bs, n), generator=gen)
+    for r in range(bs):  # make the target follow a child at about half the nodes
+        for i in range(n):
+            kids = (parents[r] == i).nonzero().flatten()
+            if len(kids) and torch.rand(1, generator=gen) < 0.6:
+                choice[r, i] = tokens[r, kids[int(torch.randint(0, len(kids), (1,),
+                                                                generator=gen))]]
+    return tuple(x.to(device) for x in (tokens, parents, depths, choice))
+
+
+def fused_accept_stage() -> Callable[..., tuple]:
+    """The fused Triton acceptance walk (kernels/accept.py), accept_stage's drop-in."""
+    from ddtree_sglang.kernels.accept import accept_stage_triton
+
+    return accept_stage_triton
+
+
+def check_accept_kernel(device, depth: int = 15, out_width: int = 16) -> str | None:
+    """Why the fused Triton acceptance walk cannot replace accept_stage on this device (None
+    if it can): both must give the same five outputs on random trees.  Run once at startup."""
+    try:
+        accept_stage_triton = fused_accept_stage()
+        gen = torch.Generator().manual_seed(0)
+        for bs, n in ((3, 33), (2, 16), (1, 70)):
+            case = random_verified_trees(bs, n, depth, 5, gen, device)
+            ref = accept_stage(*case, depth, out_width)
+            out = accept_stage_triton(*case, depth, out_width)
+            if not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ref, out)):
+                return "it accepted differently from accept_stage"
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,

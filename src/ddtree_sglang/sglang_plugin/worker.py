@@ -22,9 +22,10 @@ import logging
 
 import torch
 
-from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage, check_builder,
-                                       check_kv_move_kernel, check_logsumexp_kernel, kv_moves,
-                                       move_rows,
+from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage,
+                                       check_accept_kernel, check_builder,
+                                       check_kv_move_kernel, check_logsumexp_kernel,
+                                       fused_accept_stage, kv_moves, move_rows,
                                        penalise_nodes, select_builder, tree_stage, verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.sampling import sample_rows
@@ -99,13 +100,20 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                         self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
 
     def _choose_kernels(self) -> str:
-        """The tree builder, and whether the Triton logsumexp and KV move are used: each kernel
-        is compared once with its PyTorch reference on this GPU and dropped, with a warning, if
-        it fails or differs.  Returns the builder's name."""
+        """The tree builder, the acceptance walk, and whether the Triton logsumexp and KV move
+        are used: each kernel is compared once with its PyTorch reference on this GPU and
+        dropped, with a warning, if it fails or differs.  Returns the builder's name."""
         self._builder, name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
                                              self.budget, self.depth)
+        self._accept = accept_stage
         if not torch.cuda.is_available():
             return name
+        why = check_accept_kernel(self.device, self.depth, self.out_width)
+        if why is None:
+            self._accept = fused_accept_stage()
+        else:
+            logger.warning("DDTREE: the fused acceptance kernel is not used (%s); the PyTorch "
+                           "accept stage walks the trees", why)
         head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
         why = check_logsumexp_kernel(self.vocab_size, self.device, head_dtype)
         if why is not None:
@@ -289,7 +297,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
 
     def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
         """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
-        return accept_stage(tokens, parents, depths, choice, self.depth, self.out_width)
+        return self._accept(tokens, parents, depths, choice, self.depth, self.out_width)
 
     def _move_accepted_kv(self, batch, step: StepCommit) -> None:
         """Accepted path's K/V -> the committed positions: one launch that moves only what
