@@ -119,3 +119,19 @@ def test_random_verified_trees_and_a_failing_accept_kernel(monkeypatch):
     assert "accepted differently" in check_accept_kernel("cpu")
     monkeypatch.setattr(accept, "accept_stage_triton", broken)
     assert "RuntimeError: no kernel" in check_accept_kernel("cpu")
+
+
+def test_a_failing_topk_kernel_is_switched_off(monkeypatch):
+    from ddtree_sglang import tree
+    from ddtree_sglang.kernels import topk
+
+    def wrong(x, k, chunk=4096):
+        lp, ids = topk.top_log_probs_reference(x, k)
+        return lp, ids.flip(-1)  # right values, wrong ids
+
+    monkeypatch.setattr(topk, "top_log_probs_triton", wrong)
+    monkeypatch.setitem(tree.TOPK_KERNEL, "enabled", True)
+    assert "disagrees" in tree.check_topk_kernel(100, 8, "cpu", torch.float32)
+    assert tree.TOPK_KERNEL["enabled"] is False
+    monkeypatch.setitem(tree.TOPK_KERNEL, "enabled", True)
+    assert tree.check_topk_kernel(100, 65, "cpu", torch.float32) is None  # not used above 64

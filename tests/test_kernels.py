@@ -13,6 +13,7 @@ import pytest
     ("kv_move_interpret_check.py", "KV MOVE OK"),      # accepted-KV move vs its reference
     ("logsumexp_interpret_check.py", "LOGSUMEXP OK"),  # float32 logsumexp vs torch
     ("accept_interpret_check.py", "ACCEPT OK"),        # fused acceptance walk vs accept_stage
+    ("topk_interpret_check.py", "TOPK OK"),            # chunked top-k + logsumexp vs torch
     # split tree-verify attention (SGLang's kernels) vs the single call and a float32 reference
     ("verify_attention_interpret_check.py", "VERIFY ATTENTION OK"),
 ])

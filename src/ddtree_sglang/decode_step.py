@@ -23,11 +23,12 @@ from ddtree_sglang.kernels.kv_move import move_rows_triton as move_rows
 from ddtree_sglang.layout import VerifyLayout, build_verify_layout
 from ddtree_sglang.layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
-from ddtree_sglang.tree import DraftTree, build_draft_tree, check_logsumexp_kernel
+from ddtree_sglang.tree import (DraftTree, build_draft_tree, check_logsumexp_kernel,
+                                check_topk_kernel)
 
 __all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_accept_kernel", "check_builder",
            "fused_accept_stage",
-           "check_kv_move_kernel", "check_logsumexp_kernel", "kv_moves",
+           "check_kv_move_kernel", "check_logsumexp_kernel", "check_topk_kernel", "kv_moves",
            "move_rows", "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
 
 Builder = Callable[[torch.Tensor, int], DraftTree]

@@ -25,6 +25,7 @@ import torch
 from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage,
                                        check_accept_kernel, check_builder,
                                        check_kv_move_kernel, check_logsumexp_kernel,
+                                       check_topk_kernel,
                                        fused_accept_stage, kv_moves, move_rows,
                                        penalise_nodes, select_builder, tree_stage, verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
@@ -100,9 +101,9 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                         self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
 
     def _choose_kernels(self) -> str:
-        """The tree builder, the acceptance walk, and whether the Triton logsumexp and KV move
-        are used: each kernel is compared once with its PyTorch reference on this GPU and
-        dropped, with a warning, if it fails or differs.  Returns the builder's name."""
+        """The tree builder, the acceptance walk, and whether the Triton top-k, logsumexp and
+        KV move are used: each kernel is compared once with its PyTorch reference on this GPU
+        and dropped, with a warning, if it fails or differs.  Returns the builder's name."""
         self._builder, name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
                                              self.budget, self.depth)
         self._accept = accept_stage
@@ -119,6 +120,11 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         if why is not None:
             logger.warning("DDTREE: the Triton logsumexp is not used (%s); the draft "
                            "log-probabilities use torch.logsumexp in float32", why)
+        why = check_topk_kernel(self.vocab_size, min(self.budget, self.vocab_size), self.device,
+                                head_dtype)
+        if why is not None:
+            logger.warning("DDTREE: the Triton top-k is not used (%s); the draft top-k uses "
+                           "torch.topk", why)
         why = check_kv_move_kernel(self.device)
         if why is not None:
             logger.warning("DDTREE: the Triton KV move is not used (%s); SGLang's generic move "
