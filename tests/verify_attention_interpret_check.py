@@ -7,8 +7,9 @@ import inspect
 import torch
 
 from ddtree_sglang.sglang_plugin import internals
-from ddtree_sglang.sglang_plugin.verify_attention import (_case, check_split_attention,
-                                                          reference_attention, split_attention)
+from ddtree_sglang.sglang_plugin.verify_attention import (check_split_attention,
+                                                          reference_attention, split_attention,
+                                                          verify_case)
 
 
 def main() -> None:
@@ -20,7 +21,7 @@ def main() -> None:
     split = split_attention(single, merge, signature)
     cases = 0
     for bs, n, prefix in [(1, 5, 3), (2, 17, 9), (3, 8, 1)]:
-        args, rows = _case(bs, n, prefix, 4, 2, 16, "cpu", torch.float32)
+        args, rows = verify_case(bs, n, prefix, 4, 2, 16, "cpu", torch.float32)
         split(**args)
         got = args["o_extend"].clone()
         assert (got - reference_attention(args, rows, bs, prefix)).abs().max() < 1e-4, (bs, n)
@@ -34,7 +35,7 @@ def main() -> None:
     def recording(*a, **k):
         calls.append(k)
 
-    args, _ = _case(1, 4, 2, 2, 1, 16, "cpu", torch.float32)
+    args, _ = verify_case(1, 4, 2, 2, 1, 16, "cpu", torch.float32)
     lse = torch.zeros(4, 2)
     split_attention(recording, merge, signature)(**{**args, "lse_extend": lse})
     split_attention(recording, merge, signature)(**{**args, "custom_mask": None})

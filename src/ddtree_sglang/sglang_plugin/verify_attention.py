@@ -66,20 +66,32 @@ def split_attention(single: Callable, merge: Callable,
     return attend
 
 
-def _case(bs: int, n: int, prefix: int, heads: int, kv_heads: int, dim: int, device,
-          dtype) -> tuple[dict, torch.Tensor]:
-    """A random tree verify: bs requests of `prefix` cached tokens and an n-node tree each.
-    Returns extend_attention_fwd's arguments and the [bs * n, heads, n + prefix] visibility."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
+def random_tree_ancestors(n: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, n] bool, row i = node i's ancestors and itself, for a random tree rooted at 0."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
     anc = torch.eye(n, dtype=torch.bool)
     for i in range(1, n):
         anc[i] |= anc[parents[i]]
-    rows = torch.cat([torch.ones(n, prefix, dtype=torch.bool), anc], dim=1)  # [n, prefix + n]
+    return anc
+
+
+def verify_case(bs: int, n: int, prefix: int, heads: int, kv_heads: int, dim: int, device,
+                dtype, ancestors: torch.Tensor | None | str = "random",
+                seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """Keyword arguments of one extend_attention_fwd verify: bs requests of `prefix` cached
+    tokens and n new ones each, attending with `ancestors` ([n, n] bool, "random" for a random
+    tree, None for no mask: the causal chain).  Returns them and the [n, prefix + n]
+    visibility of one request."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    if isinstance(ancestors, str):
+        ancestors = random_tree_ancestors(n, gen)
+    tril = torch.ones(n, n, dtype=torch.bool).tril()
+    visible = torch.cat([torch.ones(n, prefix, dtype=torch.bool),
+                         tril if ancestors is None else ancestors], dim=1)
     args = dict(
         q_extend=rnd(bs * n, heads, dim), k_extend=rnd(bs * n, kv_heads, dim),
         v_extend=rnd(bs * n, kv_heads, dim),
@@ -88,14 +100,16 @@ def _case(bs: int, n: int, prefix: int, heads: int, kv_heads: int, dim: int, dev
         qo_indptr=(torch.arange(bs + 1) * n).to(device),
         kv_indptr=(torch.arange(bs + 1) * prefix).to(device=device, dtype=torch.int32),
         kv_indices=torch.randperm(bs * prefix, generator=gen).to(device),
-        custom_mask=rows.reshape(-1).repeat(bs).to(device), is_causal=True,
-        mask_indptr=(torch.arange(bs + 1) * n * (prefix + n)).to(device),
+        custom_mask=None if ancestors is None else visible.reshape(-1).repeat(bs).to(device),
+        is_causal=True,
+        mask_indptr=None if ancestors is None else
+        (torch.arange(bs + 1) * n * (prefix + n)).to(device),
         max_len_extend=n, k_scale=1.0, v_scale=1.0, sm_scale=dim ** -0.5)
-    return args, rows
+    return args, visible
 
 
 def reference_attention(args: dict, rows: torch.Tensor, bs: int, prefix: int) -> torch.Tensor:
-    """Plain PyTorch masked attention of a `_case` (float32): the kernels' common reference."""
+    """Plain PyTorch masked attention of a `verify_case` (float32): the kernels' reference."""
     q, k, v = args["q_extend"].float(), args["k_extend"].float(), args["v_extend"].float()
     n, heads = rows.shape[0], q.shape[1]
     group = heads // k.shape[1]
@@ -116,7 +130,7 @@ def check_split_attention(single: Callable, merge: Callable, signature: inspect.
     try:
         bs, n, prefix = 3, 17, 40
         tol = 2e-2 if dtype != torch.float32 else 1e-4
-        args, rows = _case(bs, n, prefix, 8, 2, 64, device, dtype)
+        args, rows = verify_case(bs, n, prefix, 8, 2, 64, device, dtype)
         single(**args)
         expected = args["o_extend"].float().clone()
         reference = reference_attention(args, rows, bs, prefix)
