@@ -66,7 +66,7 @@ def accept_stage_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: tor
     accept_index = torch.empty(bs, out_width, dtype=torch.int32, device=dev)
     feature_rows = torch.empty(bs, out_width, dtype=torch.int64, device=dev)
     bonus = torch.empty(bs, dtype=choice.dtype, device=dev)
-    out_tokens = torch.empty(bs, out_width, dtype=tokens.dtype, device=dev)
+    out_tokens = torch.empty(bs, out_width, dtype=torch.long, device=dev)  # as accept_stage
     if bs:
         _accept_kernel[(bs,)](tokens.contiguous(), parents.contiguous(), choice.contiguous(),
                               commit_lens, accept_index, feature_rows, bonus, out_tokens, n,
