@@ -69,6 +69,11 @@ def test_demo_checks_limits_before_generating(capsys):
     assert "--max-new-tokens 5000" in line and "2048 positions; accepted: 1..1" in line
     line = one_error_line(capsys, lambda: demo.main(["--prompts", "999"]), "ddtree-demo")
     assert "holds 32; accepted: 1..32" in line
+    line = one_error_line(capsys, lambda: demo.main(["--auto-budgets", "4,1000000"]),
+                          "ddtree-demo")
+    assert "--auto-budgets 1000000: one tree verify needs about" in line
+    line = one_error_line(capsys, lambda: demo.main(["--auto-budgets", "4,x"]), "ddtree-demo")
+    assert "argument --auto-budgets" in line and "comma-separated" in line
 
 
 def test_reference_loop_refuses_output_past_the_positions():
@@ -97,3 +102,14 @@ def test_scripts_refuse_bad_input_in_one_line(script, argv, needle):
     err = [l for l in proc.stderr.strip().splitlines() if l.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(err) == 1 and needle in err[0] and "Traceback" not in proc.stderr, err
+
+
+def test_demo_runs_with_a_per_step_budget(capsys, monkeypatch):
+    """The demo's auto row: costs timed here, a budget chosen per step, output still greedy."""
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    assert demo.main(["--prompts", "1", "--max-new-tokens", "12", "--budget", "8",
+                      "--auto-budgets", "2,8", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "DDTree auto 2/8 (mean B" in out
+    assert "DDTree output identical to autoregressive greedy: True" in out
+    assert "DDTree auto output identical to autoregressive greedy: True" in out

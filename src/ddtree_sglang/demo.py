@@ -2,6 +2,7 @@
 
     ddtree-demo                      # 4 held-out prompts, 64 new tokens, DDTree B = 32
     ddtree-demo --budget 64 --prompts 8 --temperature 1.0
+    ddtree-demo --auto-budgets 4,16,32   # + DDTree with the budget chosen per step
 
 Runs the pure-PyTorch reference loop (no GPU, no SGLang), prints one table (acceptance length
 tau, tokens/s, tokens per target forward) and the decoded text of one sample.  Every limit is
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ddtree_sglang.cli import CliError, Parser, finite_float, non_negative_int, positive_int, run
+from ddtree_sglang.cli import (CliError, Parser, finite_float, non_negative_int, positive_int,
+                               positive_int_list, run)
 
 PROG = "ddtree-demo"
 
@@ -41,15 +43,17 @@ def verify_bytes(budget: int, context: int, config) -> int:
     return width * 4 * (4 * int(config.vocab_size) + 3 * heads * (context + width))
 
 
-def check_limits(args, tb, prompts: list[list[int]]) -> None:
+def check_limits(args, tb, prompts: list[list[int]], budget: int, flag: str = "--budget") -> None:
+    """`budget` (given as `flag`) and the output length against the tree, the target's
+    positions and this machine's free memory."""
     from ddtree_sglang.tree import check_budget
 
     spec = tb.speculator
     depth, vocab = spec.cfg.block_size - 1, int(spec.target.config.vocab_size)
     try:
-        check_budget(args.budget, depth, vocab)
+        check_budget(budget, depth, vocab)
     except ValueError as exc:
-        raise CliError(f"--budget {args.budget}: {exc}") from None
+        raise CliError(f"{flag} {budget}: {exc}") from None
     longest = max(len(p) for p in prompts)
     room = spec.max_new_tokens_for(longest)
     if args.max_new_tokens > room:
@@ -58,13 +62,23 @@ def check_limits(args, tb, prompts: list[list[int]]) -> None:
                        f"accepted: 1..{room}")
     context = longest + args.max_new_tokens + spec.cfg.block_size
     free = free_memory_bytes()
-    need = verify_bytes(args.budget, context, spec.target.config)
+    need = verify_bytes(budget, context, spec.target.config)
     if need > free // 2:
-        fits = max(b for b in range(1, args.budget + 1)
+        fits = max(b for b in range(1, budget + 1)
                    if b == 1 or verify_bytes(b, context, spec.target.config) <= free // 2)
-        raise CliError(f"--budget {args.budget}: one tree verify needs about {need / 2**30:.1f} "
+        raise CliError(f"{flag} {budget}: one tree verify needs about {need / 2**30:.1f} "
                        f"GiB here and {free / 2**30:.1f} GiB is free; accepted on this machine: "
                        f"1..{fits}")
+
+
+def step_costs_here(spec, prompt: list[int], budgets: list[int], sampling) -> dict[int, float]:
+    """Milliseconds per decode step of the reference loop at each budget, timed on this machine
+    (16 tokens of `prompt` each): the cost side of the per-step budget choice."""
+    costs = {}
+    for b in budgets:
+        res = spec.generate(prompt, 16, mode="ddtree", budget=b, sampling=sampling)
+        costs[b] = 1000.0 * res.seconds / (res.target_forwards + 1)  # the prefill included
+    return costs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +100,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--prompts", type=positive_int, default=4, help="how many prompts (from the top)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)
     ap.add_argument("--budget", type=positive_int, default=32, help="DDTree tree budget B")
+    ap.add_argument("--auto-budgets", type=positive_int_list, default=None,
+                    help="also run DDTree choosing, per step, the budget among these with the "
+                         "most tokens per ms (step costs timed here first; budget.py)")
     ap.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     ap.add_argument("--threads", type=non_negative_int, default=0,
                     help="torch CPU threads (0 = torch's default)")
@@ -109,23 +126,35 @@ def _main(argv: list[str] | None) -> int:
     prompts = [tb.encode(r) for r in tb.prompts[: args.prompts]]
     if min(len(p) for p in prompts) == 0:
         raise CliError(f"{args.testbed / 'prompts.jsonl'}: a selected prompt encodes to no tokens")
-    check_limits(args, tb, prompts)
+    check_limits(args, tb, prompts, args.budget)
     modes = [("autoregressive", "ar", 0), ("DFlash chain", "chain", 0),
              (f"DDTree B={args.budget}", "ddtree", args.budget)]
+    if args.auto_budgets:
+        from ddtree_sglang.budget import BudgetController, StepCosts
+
+        budgets = sorted(set(args.auto_budgets))
+        check_limits(args, tb, prompts, budgets[-1], "--auto-budgets")
+        costs = step_costs_here(tb.speculator, prompts[0], budgets, sampling)
+        controller = BudgetController(budgets, StepCosts({1: costs}),
+                                      tb.speculator.cfg.block_size - 1)
+        modes.append(("DDTree auto " + "/".join(map(str, budgets)), "ddtree", controller))
     rows, sample = [], {}
     with tqdm(total=len(modes) * len(prompts), desc="generating") as bar:
         for label, mode, budget in modes:
             toks = secs = fwd = 0
-            accept = []
+            accept, chosen = [], []
             for i, p in enumerate(prompts):
                 res = tb.speculator.generate(p, args.max_new_tokens, mode=mode,
-                                             budget=max(budget, 1), sampling=sampling, seed=i)
+                                             budget=budget or 1, sampling=sampling, seed=i)
                 toks += len(res.tokens)
                 secs += res.seconds
                 fwd += res.target_forwards + 1  # + the prefill pass that made the first token
                 accept += res.accept_lens
+                chosen += res.budgets
                 sample.setdefault(label, res.tokens)
                 bar.update(1)
+            if not isinstance(budget, int):  # the auto row says what it chose on average
+                label += f" (mean B {sum(chosen) / max(1, len(chosen)):.1f})"
             rows.append((label, sum(accept) / max(1, len(accept)), toks / max(secs, 1e-9),
                          toks / fwd))
     table = Table(title=f"testbed, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
@@ -143,6 +172,9 @@ def _main(argv: list[str] | None) -> int:
     same = sample[modes[2][0]] == sample[modes[0][0]]
     if args.temperature == 0:
         console.print(f"DDTree output identical to autoregressive greedy: {same}")
+        if len(modes) > 3:
+            auto_same = sample[modes[3][0]] == sample[modes[0][0]]
+            console.print(f"DDTree auto output identical to autoregressive greedy: {auto_same}")
     return 0
 
 
