@@ -91,7 +91,7 @@ class Server:
         return self.wait_healthy(timeout)
 
     def launch(self) -> None:
-        env = dict(os.environ, **self.spec.env, **self.env)
+        env = {**os.environ, **self.spec.env, **self.env}  # the Server's own settings win
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
