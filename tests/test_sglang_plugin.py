@@ -295,3 +295,35 @@ def test_split_verify_attention_only_where_it_is_exact(change, split):
                 skip_prefix_custom_mask=True, sinks=None, score_mod=None,
                 window_kv_offsets=None, sliding_window_size=None)
     assert splittable({**base, **change}) is split
+
+
+def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
+    """internals.split_verify_attention swaps the target triton backend's extend kernel for the
+    wrapped one only if the check accepts it; other backends keep theirs, with the reason."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    from ddtree_sglang.sglang_plugin import internals
+
+    def single(*a, **k):
+        return "single"
+
+    backend = TritonAttnBackend.__new__(TritonAttnBackend)  # no GPU state needed here
+    backend.extend_attention_fwd = single
+    seen = []
+
+    def wrap(fn, merge, signature):
+        seen.append((fn, merge, tuple(signature.parameters)[:2]))
+        return lambda *a, **k: "split"
+
+    why = internals.split_verify_attention(backend, lambda *a: "differs by 0.5", wrap)
+    assert why == "differs by 0.5" and backend.extend_attention_fwd is single and not seen
+    assert internals.split_verify_attention(backend, lambda *a: None, wrap) is None
+    assert backend.extend_attention_fwd() == "split"
+    assert seen[0][0] is single and seen[0][2] == ("q_extend", "k_extend")
+    assert seen[0][1] is internals.resolve(internals.NAMES["merge_state_triton"])
+
+    class Other:
+        extend_attention_fwd = single
+
+    why = internals.split_verify_attention(Other(), lambda *a: None, wrap)
+    assert "Other, not triton" in why
