@@ -94,7 +94,6 @@ def choose_budget(batch_size: int, expected_accepted: torch.Tensor,
     return torch.argmax(rate)  # first maximum
 
 
-
 class StepCosts:
     """Measured step time (ms) per (batch size, budget): the cost side of the choice.
 

@@ -34,17 +34,15 @@ class Arm(_Strict):
             raise ValueError(f"arm {self.name}: DDTREE needs a budget")
         if self.algorithm != "DDTREE" and self.budget is not None:
             raise ValueError(f"arm {self.name}: budget applies to DDTREE only")
-        from ddtree_sglang.sglang_plugin.server_args import ENV_CHOICES
+        from ddtree_sglang.sglang_plugin.server_args import check_env
 
         for key, value in self.env.items():
             if self.algorithm != "DDTREE":
                 raise ValueError(f"arm {self.name}: env applies to DDTREE arms only")
-            if key not in ENV_CHOICES:
-                raise ValueError(f"arm {self.name}: unknown env {key!r}; accepted: "
-                                 f"{', '.join(sorted(ENV_CHOICES))}")
-            if value not in ENV_CHOICES[key]:
-                raise ValueError(f"arm {self.name}: {key}={value!r}; accepted: "
-                                 f"{', '.join(ENV_CHOICES[key])}")
+            try:
+                check_env(key, value)
+            except ValueError as exc:  # DDTreeConfigError
+                raise ValueError(f"arm {self.name}: {exc}") from None
         return self
 
 

@@ -48,14 +48,22 @@ ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split")}
 
 
+def check_env(name: str, value: str) -> None:
+    """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
+    DDTREE environment setting (the server's knobs and the benchmark arms' env use this)."""
+    if name not in ENV_CHOICES:
+        raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(ENV_CHOICES))}")
+    if value not in ENV_CHOICES[name]:
+        raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
+                                f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
+
+
 def env_setting(name: str) -> str:
     """A DDTREE environment knob, checked against its accepted values (first = default)."""
     import os
 
     value = os.environ.get(name, ENV_CHOICES[name][0])
-    if value not in ENV_CHOICES[name]:
-        raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
-                                f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
+    check_env(name, value)
     return value
 
 
