@@ -152,6 +152,10 @@ def test_environment_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "yes")
     with pytest.raises(DDTreeConfigError, match="accepted: 1, 0"):
         validate(SimpleNamespace(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1")
+    monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "fast")
+    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: single, split"):
+        validate(SimpleNamespace(**base))
 
 
 def test_target_verify_graph_gets_the_tree_mask(plugin_loaded):
