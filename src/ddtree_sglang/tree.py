@@ -21,6 +21,7 @@ in lexicographic rank order, so a stable sort realises the tie rule with no extr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -84,10 +85,11 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     normalised, by one logsumexp per position, so no [batch, depth, vocab] float32 tensor is
     written (the full log_softmax cost ~1.5 ms per step at batch 64 on the Qwen3 vocabulary).
     """
-    if draft_logits.is_cuda and TOPK_KERNEL["enabled"] and k <= TOPK_KERNEL["max_k"]:
-        from ddtree_sglang.kernels.topk import top_log_probs_triton  # one pass for both
+    if draft_logits.is_cuda and TOPK_KERNEL["enabled"]:
+        from ddtree_sglang.kernels.topk import MAX_K, top_log_probs_triton
 
-        return top_log_probs_triton(draft_logits, k)
+        if k <= MAX_K:
+            return top_log_probs_triton(draft_logits, k)  # one pass for both
     values, ids = torch.topk(draft_logits, k, dim=-1)
     if draft_logits.is_cuda and LSE_KERNEL["enabled"]:  # one float32 pass, no float32 copy
         from ddtree_sglang.kernels.logsumexp import logsumexp_triton
@@ -98,50 +100,53 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return values.float() - lse.unsqueeze(-1), ids
 
 
-# Whether top_log_probs may use the Triton logsumexp / the Triton top-k (k up to max_k) on
-# CUDA; check_logsumexp_kernel / check_topk_kernel turn them off for the process if the kernel
-# fails or disagrees on this GPU.
+# Whether top_log_probs may use the Triton logsumexp / the Triton top-k on CUDA;
+# check_logsumexp_kernel / check_topk_kernel turn them off for the process if the kernel fails
+# or disagrees on this GPU.
 LSE_KERNEL = {"enabled": True}
-TOPK_KERNEL = {"enabled": True, "max_k": 64}
+TOPK_KERNEL = {"enabled": True}
+
+
+def _keep_kernel(switch: dict, reference: str, agrees: Callable[[], bool]) -> str | None:
+    """Run a startup comparison; if it fails or disagrees, turn `switch` off and say why."""
+    try:
+        if agrees():
+            return None
+        why = f"it disagrees with {reference}"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+    switch["enabled"] = False
+    return why
 
 
 def check_topk_kernel(vocab: int, k: int, device, dtype: torch.dtype) -> str | None:
     """Compare the Triton top-k with torch.topk + logsumexp on this device once (startup),
     ties included; on failure or disagreement disable it and say why."""
-    try:
+    def agrees() -> bool:
         from ddtree_sglang.kernels.topk import MAX_K, is_valid_top_k, top_log_probs_triton
 
         if k > MAX_K:
-            return None  # not used for this budget: torch.topk serves it
+            return True  # not used for this budget: torch.topk serves it
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn((3, 2, vocab), generator=gen, device=device).mul(4).to(dtype)
         x[1, 1] = x[1, 1].round()  # many exactly equal logits
-        if is_valid_top_k(x, k, *top_log_probs_triton(x, k)):
-            return None
-        why = "it disagrees with torch.topk"
-    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
-    TOPK_KERNEL["enabled"] = False
-    return why
+        return is_valid_top_k(x, k, *top_log_probs_triton(x, k))
+
+    return _keep_kernel(TOPK_KERNEL, "torch.topk", agrees)
 
 
 def check_logsumexp_kernel(vocab: int, device, dtype: torch.dtype) -> str | None:
     """Compare the Triton logsumexp with torch's on this device once (startup); on failure or
     disagreement disable it and say why."""
-    try:
+    def agrees() -> bool:
         from ddtree_sglang.kernels.logsumexp import logsumexp_triton
 
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn((3, vocab), generator=gen, device=device).mul(4).to(dtype)
-        if not torch.allclose(logsumexp_triton(x), torch.logsumexp(x.float(), -1),
-                              rtol=1e-5, atol=1e-4):
-            why = "it disagrees with torch.logsumexp"
-        else:
-            return None
-    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
-    LSE_KERNEL["enabled"] = False
-    return why
+        return torch.allclose(logsumexp_triton(x), torch.logsumexp(x.float(), -1),
+                              rtol=1e-5, atol=1e-4)
+
+    return _keep_kernel(LSE_KERNEL, "torch.logsumexp", agrees)
 
 
 def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
