@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree_sglang.acceptance import accept_tree
-from ddtree_sglang.budget import DepthCalibration, choose_budget, expected_by_depth
+from ddtree_sglang.budget import (DepthCalibration, LiveStepCosts, candidate_budgets,
+                                  choose_budget, expected_by_depth, expected_by_depth_per_request)
 from ddtree_sglang.tree import build_draft_tree
 
 
@@ -147,3 +148,31 @@ def test_controller_learns_that_the_target_rejects_deep_tokens():
     for _ in range(20):
         ctl.observe(ctl.choose(tree), torch.tensor([1, 1]))
     assert ctl.choose(tree).budget == 2
+
+
+def test_per_request_expectation_sums_to_the_batch_one():
+    g = torch.Generator().manual_seed(1)
+    tree = build_draft_tree(torch.randn(3, 4, 6, generator=g) * 2, 10)
+    per = expected_by_depth_per_request(tree.scores, tree.depths, [2, 5, 10], 4)
+    assert per.shape == (3, 3, 4)
+    assert torch.allclose(per.sum(0), expected_by_depth(tree.scores, tree.depths, [2, 5, 10], 4))
+    assert per.sum(-1).max() <= 4 + 1e-6  # at most one accepted token per depth
+
+
+def test_candidate_budgets_end_with_the_maximum():
+    assert candidate_budgets(32) == [7, 15, 32]
+    assert candidate_budgets(64) == [7, 15, 31, 64]
+    assert candidate_budgets(15) == [7, 15]
+    assert candidate_budgets(8) == [8]  # 7 is too close to 8 to be worth its graphs
+
+
+def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
+    costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, decay=0.5)
+    assert costs.row(5, [7, 32]).tolist() == [10.0, 20.0]
+    costs.observe(5, 32, 26.0)  # a step at batch row 8 took 6 ms more than its verify
+    assert costs.row(8, [7, 32]).tolist() == [16.0, 26.0]
+    costs.observe(8, 7, 12.0)   # EMA: 0.5 * 6 + 0.5 * 2
+    assert costs.row(8, [7, 32]).tolist() == [14.0, 24.0]
+    assert costs.row(64, [7, 32]).tolist() == [30.0, 90.0]  # other rows unchanged
+    costs.observe(8, 15, 99.0)  # a budget without a verify time teaches nothing
+    assert costs.rest_ms[8] == 4.0

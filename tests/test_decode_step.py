@@ -135,3 +135,30 @@ def test_a_failing_topk_kernel_is_switched_off(monkeypatch):
     assert tree.TOPK_KERNEL["enabled"] is False
     monkeypatch.setitem(tree.TOPK_KERNEL, "enabled", True)
     assert tree.check_topk_kernel(100, 65, "cpu", torch.float32) is None  # not used above 64
+
+
+def test_kv_moves_of_a_block_narrower_than_the_commit_width():
+    """A small budget (N = 3 < out_width = 4) commits at most N tokens: N columns move."""
+    from ddtree_sglang.decode_step import kv_moves
+
+    tokens = torch.tensor([[99, 10, 11]])
+    parents, depths = torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]])
+    step = StepCommit(*accept_stage(tokens, parents, depths, torch.tensor([[10, 11, 5]]),
+                                    depth=3, out_width=4))
+    assert step.commit_lens.tolist() == [3]
+    tgt, src = kv_moves(torch.tensor([20, 21, 22]), step.accept_index, step.commit_lens, 3)
+    assert tgt.tolist() == [[20, 21, 22]] and src.tolist() == [[20, 21, 22]]
+
+
+def test_tree_stage_reports_the_candidates_expected_acceptance():
+    from ddtree_sglang.budget import expected_by_depth_per_request
+    from ddtree_sglang.decode_step import unpack_tree_stage
+
+    logits = torch.randn(2, 5, 30)
+    roots, seq = torch.tensor([1, 2]), torch.tensor([4, 9])
+    lay, probs = unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)))
+    tree = build_draft_tree(logits, 12)
+    assert torch.equal(lay.draft_tokens, build_verify_layout(tree, roots, seq, 5).draft_tokens)
+    assert probs.shape == (2, 2, 5)
+    assert torch.allclose(probs, expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
+    assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5))[1] is None

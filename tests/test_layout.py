@@ -3,9 +3,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ddtree_sglang.layout import (
-    ancestor_matrix, build_verify_layout, full_mask, packed_mask, unpack_mask,
+    ancestor_matrix, build_verify_layout, full_mask, packed_mask, truncate_layout, unpack_mask,
 )
-from ddtree_sglang.tree import build_draft_tree
+from ddtree_sglang.tree import build_draft_tree, truncate_tree
 
 
 def brute_ancestors(parents: list[int]) -> torch.Tensor:
@@ -83,3 +83,21 @@ def test_full_mask_with_an_upper_bound_on_the_lengths():
     bounded = full_mask(lay.ancestors, seq_lens, 7 + 40)
     assert torch.equal(bounded[: exact.numel()], exact)
     assert bool(bounded[exact.numel():].all()) and bounded.numel() == 47 * n + 2 * n * n
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), budget=st.integers(2, 40), seed=st.integers(0, 999))
+def test_truncated_layout_is_the_layout_of_the_truncated_tree(batch, budget, seed):
+    """The batch-aware budget verifies the first b nodes of the B-best tree: slicing the
+    B layout must give exactly the layout built from the cut tree, for every b."""
+    tree = random_trees(batch, 6, 7, budget, seed)
+    roots, seq = torch.arange(batch), torch.arange(batch) * 3 + 2
+    full = build_verify_layout(tree, roots, seq, max_depth=6)
+    for b in range(1, budget + 1):
+        cut = truncate_layout(full, b + 1)
+        ref = build_verify_layout(truncate_tree(tree, b), roots, seq, max_depth=6)
+        for name in ref.__dataclass_fields__:
+            assert torch.equal(getattr(cut, name), getattr(ref, name)), (b, name)
+    assert truncate_layout(full, budget + 1) is full
+    with pytest.raises(ValueError, match="width must be in 1.."):
+        truncate_layout(full, budget + 2)

@@ -156,6 +156,40 @@ def test_environment_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "fast")
     with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: single, split"):
         validate(SimpleNamespace(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "split")
+    monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,40")  # B = 32 here
+    with pytest.raises(DDTreeConfigError, match=r"BUDGETS='7,40' names a budget outside 1..32"):
+        validate(SimpleNamespace(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,15")
+    validate(SimpleNamespace(**base))
+
+
+def test_budget_candidates_from_the_environment():
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, check_env, parse_budgets
+
+    assert parse_budgets("auto", 32) == [7, 15, 32]
+    assert parse_budgets("off", 32) == [32]
+    assert parse_budgets(" 9, 4,9 ", 32) == [4, 9, 32]  # sorted, deduplicated, B added
+    assert parse_budgets("4,32", 32) == [4, 32]
+    for bad, needle in (("fast", "accepted: auto .default., off"), ("0,4", "outside 1..32"),
+                        ("", "accepted: auto"), ("4;8", "accepted: auto")):
+        with pytest.raises(DDTreeConfigError, match=needle):
+            parse_budgets(bad, 32)
+    check_env("SGLANG_DDTREE_BUDGETS", "16,64")  # benchmark arms: syntax only, B not known
+    with pytest.raises(DDTreeConfigError, match="accepted: .*SGLANG_DDTREE_BUDGETS"):
+        check_env("SGLANG_DDTREE_BUDGET", "auto")
+
+
+def test_benchmark_ddtree_arms_pin_their_budget_unless_asked():
+    from ddtree_sglang.bench.config import Arm
+    from ddtree_sglang.bench.run import arm_env
+
+    assert arm_env(Arm(name="b32", algorithm="DDTREE", budget=32)) == {
+        "SGLANG_DDTREE_BUDGETS": "off"}
+    auto = Arm(name="ddtree-auto", algorithm="DDTREE", budget=64,
+               env={"SGLANG_DDTREE_BUDGETS": "auto"})
+    assert arm_env(auto) == {"SGLANG_DDTREE_BUDGETS": "auto"}
+    assert arm_env(Arm(name="dflash", algorithm="DFLASH")) == {}
 
 
 def test_target_verify_graph_gets_the_tree_mask(plugin_loaded):

@@ -40,16 +40,34 @@ def expected_by_depth(scores: torch.Tensor, depths: torch.Tensor, budgets: list[
     depth-d prefixes among the first budgets[i] nodes, i.e. the expected number of requests
     that accept at least d tokens with a tree of that budget.
     """
+    return expected_by_depth_per_request(scores, depths, budgets, max_depth).sum(0)
+
+
+def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
+                                  budgets: list[int], max_depth: int) -> torch.Tensor:
+    """[bs, len(budgets), max_depth]: expected_by_depth before the sum over requests (fixed
+    shapes, no host synchronisation: an engine computes it inside its tree stage)."""
     bs, width = scores.shape
     if max(budgets) > width:
         raise ValueError(f"budgets up to {max(budgets)} need a tree of that many nodes; got {width}")
     probs = scores.float().exp()
     onehot = torch.nn.functional.one_hot((depths - 1).clamp(0, max_depth - 1).long(),
                                          max_depth).to(probs.dtype)  # [bs, B, D]
-    per_node = (probs.unsqueeze(-1) * onehot).sum(0)  # [B, D] summed over the batch
-    cum = per_node.cumsum(0)  # first b nodes
+    cum = (probs.unsqueeze(-1) * onehot).cumsum(1)  # [bs, B, D]: the first b nodes
     index = torch.tensor([b - 1 for b in budgets], device=scores.device)
-    return cum.index_select(0, index)
+    return cum.index_select(1, index)
+
+
+# Candidate budgets of the adaptive choice below the configured maximum (which is always one):
+# a tree smaller than the chain (7) for heavy load, the chain's width (15), then doublings.
+CANDIDATE_BUDGETS = (7, 15, 31, 63, 127, 255, 511)
+
+
+def candidate_budgets(max_budget: int) -> list[int]:
+    """The budgets an engine verifies with when none are configured: CANDIDATE_BUDGETS below
+    3/4 of the maximum (closer ones cost another set of graphs for little change), and the
+    maximum itself."""
+    return [b for b in CANDIDATE_BUDGETS if b <= 0.75 * max_budget] + [max_budget]
 
 
 class DepthCalibration:
@@ -123,9 +141,42 @@ class StepCosts:
 
     def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
         """[len(budgets)] step times at this batch size, inf where not measured."""
-        i = min(bisect.bisect_left(self.batches, batch_size), len(self.batches) - 1)
-        measured = self.table[self.batches[i]]
+        measured = self.table[self.batch_row(batch_size)]
         return torch.tensor([measured.get(b, float("inf")) for b in budgets])
+
+    def batch_row(self, batch_size: int) -> int:
+        """The measured batch size whose costs stand for `batch_size`."""
+        return self.batches[min(bisect.bisect_left(self.batches, batch_size),
+                                len(self.batches) - 1)]
+
+
+class LiveStepCosts(StepCosts):
+    """Step costs for a serving engine: a measured table of the budget-dependent part (the
+    verify pass, timed at startup) plus, per batch size, an EMA of what the rest of a live step
+    costs (drafting, tree, acceptance, host gaps), learned from whole-step timings.
+
+    `observe(batch, budget, ms)` takes a timed step; `row` then adds the learned remainder of
+    that batch row to every budget, so budgets that were never chosen stay comparable."""
+
+    def __init__(self, table: dict[int, dict[int, float]], decay: float = 0.9) -> None:
+        super().__init__(table)
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.rest_ms: dict[int, float] = {}
+
+    def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
+        key = self.batch_row(batch_size)
+        verify = self.table[key].get(budget)
+        if verify is None or not step_ms > 0:
+            return
+        rest = max(step_ms - verify, 0.0)
+        old = self.rest_ms.get(key)
+        self.rest_ms[key] = rest if old is None else self.decay * old + (1 - self.decay) * rest
+
+    def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
+        return super().row(batch_size, budgets) + self.rest_ms.get(self.batch_row(batch_size),
+                                                                   0.0)
 
 
 class BudgetController:

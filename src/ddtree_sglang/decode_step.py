@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.budget import expected_by_depth_per_request
 from ddtree_sglang.kernels.kv_move import move_rows_reference
 from ddtree_sglang.kernels.kv_move import move_rows_triton as move_rows
-from ddtree_sglang.layout import VerifyLayout, build_verify_layout
+from ddtree_sglang.layout import VerifyLayout, build_verify_layout, truncate_layout
 from ddtree_sglang.layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 from ddtree_sglang.tree import (DraftTree, build_draft_tree, check_logsumexp_kernel,
@@ -29,7 +30,8 @@ from ddtree_sglang.tree import (DraftTree, build_draft_tree, check_logsumexp_ker
 __all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_accept_kernel", "check_builder",
            "fused_accept_stage",
            "check_kv_move_kernel", "check_logsumexp_kernel", "check_topk_kernel", "kv_moves",
-           "move_rows", "penalise_nodes", "select_builder", "tree_stage", "verify_mask"]
+           "move_rows", "penalise_nodes", "select_builder", "tree_stage", "truncate_layout", "unpack_tree_stage",
+           "verify_mask"]
 
 Builder = Callable[[torch.Tensor, int], DraftTree]
 
@@ -81,10 +83,26 @@ def penalise_nodes(logits: torch.Tensor, counts: torch.Tensor, out_len: torch.Te
 
 
 def tree_stage(draft_logits: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
-               budget: int, depth: int, builder=build_draft_tree) -> tuple:
-    """[bs, L, V] drafter logits -> the VerifyLayout fields, as a flat tuple (graph outputs)."""
-    lay = build_verify_layout(builder(draft_logits, budget), roots, seq_lens, max_depth=depth)
-    return tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+               budget: int, depth: int, builder=build_draft_tree,
+               candidate_budgets: tuple[int, ...] = ()) -> tuple:
+    """[bs, L, V] drafter logits -> the VerifyLayout fields, as a flat tuple (graph outputs).
+
+    With `candidate_budgets` (each <= budget) one more output follows: [bs, K, depth] the
+    drafter's expected acceptance per depth of the tree cut to each candidate budget
+    (budget.expected_by_depth_per_request), which the batch-aware budget choice reads."""
+    tree = builder(draft_logits, budget)
+    lay = build_verify_layout(tree, roots, seq_lens, max_depth=depth)
+    out = tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+    if candidate_budgets:
+        out += (expected_by_depth_per_request(tree.scores, tree.depths, list(candidate_budgets),
+                                              depth),)
+    return out
+
+
+def unpack_tree_stage(out: tuple) -> tuple[VerifyLayout, torch.Tensor | None]:
+    """tree_stage's outputs -> (its VerifyLayout, the candidates' expected acceptance or None)."""
+    n = len(fields(VerifyLayout))
+    return VerifyLayout(*out[:n]), (out[n] if len(out) > n else None)
 
 
 @dataclass(frozen=True)
@@ -182,8 +200,11 @@ def kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
     seq_len + j, so the committed token j belongs in out_cache_loc[r * n + j].  accept_index
     [bs, out_width]: the accepted rows of the flattened block (StepCommit).  Entries past the
     commit, and nodes already at their position, have source == target (nothing to move).
+    A block narrower than out_width (a small budget) commits at most n tokens: n columns.
     """
-    bs, width = accept_index.shape
+    bs = accept_index.shape[0]
+    width = min(accept_index.shape[1], n)
+    accept_index = accept_index[:, :width]
     tgt = out_cache_loc.view(bs, n)[:, :width].long()
     j = torch.arange(width, device=accept_index.device)
     src = torch.where(j < commit_lens.view(bs, 1), out_cache_loc[accept_index.clamp(min=0).long()],

@@ -115,6 +115,37 @@ def build_verify_layout(tree: DraftTree, root_tokens: torch.Tensor, seq_lens: to
     )
 
 
+def truncate_layout(layout: VerifyLayout, width: int) -> VerifyLayout:
+    """The layout of the first `width` - 1 nodes of every tree (root included: `width` tokens a
+    request), sliced from a wider one without rebuilding it.
+
+    Exact for the builder's best-first, prefix-closed trees (tree.truncate_tree): every kept
+    node's parent is kept, so the ancestors, positions and parents of the kept nodes do not
+    change; a first child or next sibling past the cut becomes -1 (children and later siblings
+    have larger indices), and the flat retrieve_index is renumbered for the new width."""
+    bs, n = layout.tree_parents.shape
+    if not 1 <= width <= n:
+        raise ValueError(f"width must be in 1..{n} (the layout's width); got {width}")
+    if width == n:
+        return layout
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        x = x[:, :width]
+        return torch.where(x >= width, torch.full_like(x, -1), x)
+
+    device = layout.tree_parents.device
+    return VerifyLayout(
+        draft_tokens=layout.draft_tokens.view(bs, n)[:, :width].reshape(-1),
+        positions=layout.positions.view(bs, n)[:, :width].reshape(-1),
+        ancestors=layout.ancestors[:, :width, :width].contiguous(),
+        retrieve_index=torch.arange(bs * width, device=device).view(bs, width),
+        retrieve_next_token=cut(layout.retrieve_next_token),
+        retrieve_next_sibling=cut(layout.retrieve_next_sibling),
+        tree_parents=layout.tree_parents[:, :width].contiguous(),
+        tree_depths=layout.tree_depths[:, :width].contiguous(),
+    )
+
+
 def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int) -> torch.Tensor:
     """SGLang FULL_MASK: per request N x (seq_len + N), prefix visible, tree block = ancestors.
 

@@ -73,6 +73,10 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
         acc = [r["meta_info"].get("spec_accept_length") for r in g if "meta_info" in r]
         acc = [a for a in acc if a is not None]
         res["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
+        # the batch-aware budget: meta_info["ddtree_budget"] holds each decode step's budget
+        steps = [b for r in g for b in (r.get("meta_info", {}).get("ddtree_budget") or [])
+                 if b is not None]
+        res["budget_steps"] = {str(b): steps.count(b) for b in sorted(set(steps))}
         sample = dict(temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
         s = generate(url, prompts, [sample] * len(prompts))
         res["sampled_outputs"] = [r.get("output_ids") for r in s]
@@ -111,6 +115,9 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
                                    for line in full.splitlines()
                                    if "DDTREE: " in line and ("not used" in line or "stays" in line)]
         res["split_attention"] = "DDTREE verify attention: split" in full
+        res["budget_log"] = [line.split("DDTREE ", 1)[1][:300] for line in full.splitlines()
+                             if "DDTREE batch-aware budget" in line
+                             or "DDTREE budget: batch size" in line][:12]
         res["traceback_in_log"] = "Traceback" in log
         server.stop()
     return res
@@ -159,6 +166,9 @@ def main() -> None:
         "ddtree_triton": ServerSpec(target, "ddtree_triton", "DDTREE", drafter, args.budget + 1),
         "ddtree_flashinfer": ServerSpec(target, "ddtree_flashinfer", "DDTREE", drafter,
                                         args.budget + 1, attention_backend="flashinfer"),
+        # the budget pinned to B (the other DDTREE arms choose per batch, the default)
+        "ddtree_fixed": ServerSpec(target, "ddtree_fixed", "DDTREE", drafter, args.budget + 1,
+                                   env={"SGLANG_DDTREE_BUDGETS": "off"}),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
         # the split verify attention (prefix without mask + tree with it, merged by LSE)

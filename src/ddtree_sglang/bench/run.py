@@ -67,7 +67,17 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
         max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
         max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
-        extra_args=list(extra), launcher_module=cfg.launcher_module, env=dict(arm.env))
+        extra_args=list(extra), launcher_module=cfg.launcher_module, env=arm_env(arm))
+
+
+def arm_env(arm: Arm) -> dict[str, str]:
+    """The arm's server env: a DDTREE arm verifies its fixed budget every step unless its env
+    asks for the batch-aware choice (SGLANG_DDTREE_BUDGETS=auto or a list)."""
+    if arm.algorithm != "DDTREE":
+        return dict(arm.env)
+    from ddtree_sglang.sglang_plugin.server_args import BUDGETS_ENV
+
+    return {BUDGETS_ENV: "off", **arm.env}
 
 
 def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:

@@ -102,6 +102,17 @@ CONTRACT: dict[str, tuple[str, ...]] = {
          "window_kv_offsets", "score_mod"),
     "sglang.kernels.ops.attention.merge_state.merge_state_triton":
         ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output"),
+    # the batch-aware budget (adaptive_budget.py): a target attention backend and verify-graph
+    # runner per candidate verify width, as EAGLE's adaptive speculation builds them
+    "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend":
+        ("init_new_workspace",),
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.__init__":
+        ("model_runner", "attn_backend", "speculative_num_draft_tokens"),
+    "sglang.srt.runtime_context.get_context": (),
+    "sglang.srt.runtime_context.RuntimeContext.override": ("source",),
+    "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend": (),
+    # per-request, per-step values SGLang copies into each response's meta_info
+    "sglang.srt.layers.logits_processor.LogitsProcessorOutput": ("customized_info",),
 }
 
 # The SGLang names the worker uses, as `internals.<short name>` (resolved on first use).  Every
@@ -356,3 +367,72 @@ def runtime_spec():
     from sglang.srt.runtime_context import get_spec
 
     return get_spec()
+
+
+def build_verify_runtime(model_runner, width: int):
+    """(attention backend, verify CUDA-graph runner or None) for target verifies of `width`
+    tokens a request, built as SGLang 0.5.17's EAGLE adaptive speculation builds its per-width
+    states: under a temporary speculative_num_draft_tokens = width, with a fresh workspace."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.runtime_context import get_context
+
+    configured = runtime_spec().speculative_num_draft_tokens
+    get_context().override("ddtree.budget_capture", speculative_num_draft_tokens=width)
+    try:
+        saved_workspace = model_runner.init_new_workspace
+        try:
+            backend = model_runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            model_runner.init_new_workspace = saved_workspace
+        runner = None
+        if model_runner.decode_cuda_graph_runner is not None:
+            runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
+                                           speculative_num_draft_tokens=width)
+    finally:
+        get_context().override("ddtree.budget_restore", speculative_num_draft_tokens=configured)
+    return backend, runner
+
+
+def verify_runtime(model_runner) -> tuple:
+    """The target's current (attention backend, verify-graph runner)."""
+    return model_runner.attn_backend, model_runner.decode_cuda_graph_runner
+
+
+def set_verify_runtime(model_runner, runtime: tuple) -> None:
+    """Make the target verify through `runtime` (a pair from build_verify_runtime)."""
+    model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
+
+
+def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:
+    """Milliseconds per replay of each captured verify graph, by batch size, or None when the
+    runner's graphs are not plain full CUDA graphs.  Run at startup only (it synchronises):
+    the replays reuse the capture's own static inputs, so they touch only the padding slot."""
+    import torch
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
+        FullCudaGraphBackend)
+
+    backend = getattr(runner, "backend", None)
+    if type(backend) is not FullCudaGraphBackend:
+        return None
+    out: dict[int, float] = {}
+    for key, graph in backend._graphs.items():
+        if getattr(key, "stream_idx", None) is not None or getattr(key, "variant_label", None):
+            continue
+        graph.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[int(key.size)] = start.elapsed_time(end) / reps
+    return out or None
+
+
+def report_per_request(logits_output, key: str, values: list) -> None:
+    """One value per request of this step, which SGLang appends to each request's
+    meta_info[key] (a list with one entry per decode step of that request)."""
+    info = logits_output.customized_info
+    if info is None:
+        info = logits_output.customized_info = {}
+    info[key] = values

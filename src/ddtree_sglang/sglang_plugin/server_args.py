@@ -48,11 +48,49 @@ ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split")}
 
 
+# The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):
+# "auto" = budget.candidate_budgets(B), "off" = always B, or a comma list (B is always added).
+BUDGETS_ENV = "SGLANG_DDTREE_BUDGETS"
+
+
+def parse_budgets(value: str, max_budget: int) -> list[int]:
+    """SGLANG_DDTREE_BUDGETS -> the ascending candidate budgets, ending with `max_budget`."""
+    from ddtree_sglang.budget import candidate_budgets
+
+    value = value.strip()
+    if value == "auto":
+        return candidate_budgets(max_budget)
+    if value == "off":
+        return [max_budget]
+    accepted = (f"accepted: auto (default), off (always B = {max_budget}), or a comma list of "
+                f"budgets in 1..{max_budget} (B = --speculative-num-draft-tokens - 1 is always "
+                "one of them)")
+    try:
+        budgets = sorted({int(x) for x in value.split(",")})
+    except ValueError:
+        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} is not accepted; {accepted}") from None
+    if budgets[0] < 1 or budgets[-1] > max_budget:
+        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} names a budget outside 1..{max_budget};"
+                                f" {accepted}")
+    return budgets if budgets[-1] == max_budget else budgets + [max_budget]
+
+
+def budgets_setting(max_budget: int) -> list[int]:
+    """The candidate budgets from the environment (checked; see parse_budgets)."""
+    import os
+
+    return parse_budgets(os.environ.get(BUDGETS_ENV, "auto"), max_budget)
+
+
 def check_env(name: str, value: str) -> None:
     """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
     DDTREE environment setting (the server's knobs and the benchmark arms' env use this)."""
+    if name == BUDGETS_ENV:
+        parse_budgets(value, MAX_BUDGET)  # the range against B is checked by validate()
+        return
     if name not in ENV_CHOICES:
-        raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(ENV_CHOICES))}")
+        raise DDTreeConfigError(f"unknown env {name!r}; accepted: "
+                                f"{', '.join(sorted([*ENV_CHOICES, BUDGETS_ENV]))}")
     if value not in ENV_CHOICES[name]:
         raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
                                 f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
@@ -210,6 +248,7 @@ def validate(args: Any) -> None:
         cfg = drafter_config(args)
         block = block_size_from_args(args, cfg)
         check_budget(budget_from_args(args), block)
+        budgets_setting(budget_from_args(args))
         taps = tap_error(cfg.target_layer_ids, _target_hf_config(args))
         if taps:
             errors.append(taps)

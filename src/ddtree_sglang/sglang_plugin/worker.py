@@ -22,18 +22,20 @@ import logging
 
 import torch
 
-from ddtree_sglang.decode_step import (StepCommit, VerifyLayout, accept_stage,
+from ddtree_sglang.decode_step import (StepCommit, accept_stage,
                                        check_accept_kernel, check_builder,
                                        check_kv_move_kernel, check_logsumexp_kernel,
                                        check_topk_kernel,
                                        fused_accept_stage, kv_moves, move_rows,
-                                       penalise_nodes, select_builder, tree_stage, verify_mask)
+                                       penalise_nodes, select_builder, tree_stage,
+                                       truncate_layout, unpack_tree_stage, verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, verify_costs
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.server_args import env_setting
+from ddtree_sglang.sglang_plugin.server_args import budgets_setting, env_setting
 from ddtree_sglang.sglang_plugin.verify_attention import check_split_attention, split_attention
 
 logger = logging.getLogger(__name__)
@@ -61,13 +63,19 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
 
 
 class DDTreeWorker(internals.DFlashWorkerV2):
+    _split_attention = False  # set by init_attention_backends
+
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         internals.check_contract()
         super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
                          target_worker=target_worker)
         internals.check_inherited(self)
-        self.verify_width = int(server_args.speculative_num_draft_tokens)  # N = B + 1
+        self.verify_width = int(server_args.speculative_num_draft_tokens)  # N = B + 1 (max)
         self.budget = self.verify_width - 1
+        # Candidate budgets of the batch-aware choice (adaptive_budget.py), ending with B; the
+        # choice is made only if init_cuda_graphs could build and time a verify per width.
+        self.budgets = budgets_setting(self.budget)
+        self._adaptive: AdaptiveBudget | None = None
         self.block_size = int(server_args.speculative_dflash_block_size)
         self.depth = self.block_size - 1
         # Tokens one step can commit: at most L accepted nodes + the bonus (B >= L, see
@@ -143,15 +151,11 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         """After SGLang made the target's attention backend (it runs first) and before any
         graph is captured: the split tree-verify attention, if asked for and exact here."""
         super().init_attention_backends()
-        if env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") != "split":
+        self._split_attention = env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == "split"
+        if not self._split_attention:
             return
-        head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
-
-        def check(single, merge, signature):
-            return check_split_attention(single, merge, signature, self.device, head_dtype)
-
-        why = internals.split_verify_attention(self.target_worker.model_runner.attn_backend,
-                                               check, split_attention)
+        why = self._install_split_attention(self.target_worker.model_runner.attn_backend)
+        self._split_attention = why is None
         if self.ps.tp_rank == 0:
             if why is None:
                 logger.info("DDTREE verify attention: split (mask-free prefix + masked tree, "
@@ -159,10 +163,55 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             else:
                 logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
 
+    def _install_split_attention(self, backend) -> str | None:
+        """The split verify attention on one target attention backend; why not, or None."""
+        head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
+
+        def check(single, merge, signature):
+            return check_split_attention(single, merge, signature, self.device, head_dtype)
+
+        return internals.split_verify_attention(backend, check, split_attention)
+
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
         if not self._tree_graphs_done:
             self._tree_graphs_done = self._capture_tree_graphs("after the KV pool")
+        if len(self.budgets) > 1:
+            self._adaptive = self._build_adaptive_budget()
+            if self._adaptive is None:
+                self.budgets = [self.budget]
+
+    def _build_adaptive_budget(self) -> AdaptiveBudget | None:
+        """A target verify (attention backend + CUDA graphs) per candidate width, each timed,
+        or None (with a warning: DDTREE then verifies B every step) where that cannot be."""
+        runner = self.target_worker.model_runner
+        runtimes = {self.verify_width: internals.verify_runtime(runner)}
+        if runtimes[self.verify_width][1] is None or not torch.cuda.is_available():
+            logger.warning("DDTREE: the batch-aware budget needs the target's verify CUDA "
+                           "graphs (off here); every step verifies B=%d", self.budget)
+            return None
+        mem_before = torch.cuda.mem_get_info()[0] / 2**30
+        for budget in self.budgets[:-1]:
+            width = budget + 1
+            runtimes[width] = internals.build_verify_runtime(runner, width)
+            if self._split_attention:
+                why = self._install_split_attention(runtimes[width][0])
+                if why is not None:  # the same check passed on the first backend
+                    raise RuntimeError(f"DDTREE: split verify attention failed at width "
+                                       f"{width}: {why}")
+        costs = verify_costs(runtimes, internals.time_verify_graphs)
+        if costs is None:
+            logger.warning("DDTREE: the verify graphs could not be timed; every step verifies "
+                           "B=%d", self.budget)
+            return None
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE batch-aware budget: candidates %s, verify graphs built for %d "
+                        "more widths (%.2f GiB); verify ms at startup by batch size: %s",
+                        self.budgets, len(self.budgets) - 1,
+                        mem_before - torch.cuda.mem_get_info()[0] / 2**30,
+                        {bs: {b: round(ms, 2) for b, ms in row.items()}
+                         for bs, row in costs.table.items()})
+        return AdaptiveBudget(self.budgets, self.depth, runtimes, costs, self.device)
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size
@@ -180,17 +229,19 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         sizes = sorted(set(decode.bs), reverse=True)
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
-        n = self.verify_width
         mem_before = torch.cuda.memory_reserved() / 2**20
         try:
             for bs in sizes:
-                lay = VerifyLayout(*self._tree_stage(
+                lay, _ = unpack_tree_stage(self._tree_stage(
                     torch.zeros((bs, self.depth, hidden), dtype=dtype, device=self.device),
                     torch.zeros(bs, dtype=torch.int64, device=self.device),
                     torch.ones(bs, dtype=torch.int64, device=self.device)))
-                self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents,
-                                   lay.tree_depths,
-                                   torch.zeros((bs, n), dtype=torch.int64, device=self.device))
+                for budget in self.budgets:  # one acceptance graph per verify width
+                    cut = truncate_layout(lay, budget + 1)
+                    self._accept_stage(cut.draft_tokens.view(bs, budget + 1), cut.tree_parents,
+                                       cut.tree_depths,
+                                       torch.zeros((bs, budget + 1), dtype=torch.int64,
+                                                   device=self.device))
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
             logger.warning("DDTREE: startup capture of the tree stage failed (%s); it runs "
@@ -234,20 +285,33 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
         draft_input = batch.spec_info
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
-        bs, n = len(batch.seq_lens), self.verify_width
+        bs = len(batch.seq_lens)
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
-        # request is never clamped.
+        # request is never clamped.  (The KV reservation is always the largest width's.)
         batch.seq_lens = batch.seq_lens.clamp(
-            max=max_step_seq_len(self.model_runner.req_to_token_pool.req_to_token, n))
+            max=max_step_seq_len(self.model_runner.req_to_token_pool.req_to_token,
+                                 self.verify_width))
+        adaptive = self._adaptive
+        budget = self.budget if adaptive is None else adaptive.choose(bs)
+        n = budget + 1  # this step's verify width
+        started = None if adaptive is None else adaptive.start_step()
 
         hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
-        layout = VerifyLayout(*self._tree_stage(hidden[:, 1:, :], draft_input.bonus_tokens.long(),
-                                                batch.seq_lens.long()))
+        layout, depth_probs = unpack_tree_stage(self._tree_stage(
+            hidden[:, 1:, :], draft_input.bonus_tokens.long(), batch.seq_lens.long()))
+        layout = truncate_layout(layout, n)
 
-        verify_fb, can_run_graph = self._prepare_verify(batch, draft_input, layout)
-        target_out = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=verify_fb, is_verify=True)
+        target_runner = self.target_worker.model_runner
+        configured = internals.verify_runtime(target_runner)
+        if adaptive is not None:
+            internals.set_verify_runtime(target_runner, adaptive.runtimes[n])
+        try:
+            verify_fb, can_run_graph = self._prepare_verify(batch, draft_input, layout)
+            target_out = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=verify_fb, is_verify=True)
+        finally:  # prefill and everything else see the configured width's runtime
+            internals.set_verify_runtime(target_runner, configured)
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits
         penalties = self.penalty_state.params(batch.reqs)
@@ -268,14 +332,19 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         if penalties is not None:
             self.penalty_state.commit(batch.req_pool_indices, step.tokens, commit_lens)
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
-        self._move_accepted_kv(batch, step)
+        self._move_accepted_kv(batch, step, n)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
         feats = logits_output.hidden_states
         if feats is None:
             raise RuntimeError("DDTREE verify needs the target's captured hidden states")
-        front_loc = batch.out_cache_loc.view(bs, n)[:, : self.out_width].contiguous()
+        front_loc = batch.out_cache_loc.view(bs, n)[:, : self.out_width]
+        if n < self.out_width:  # a tree narrower than the block commits at most n tokens;
+            # the columns past them are never written (prefix-valid writes, commit_lens)
+            front_loc = torch.cat([front_loc, front_loc[:, -1:].expand(
+                bs, self.out_width - n)], dim=1)
+        front_loc = front_loc.contiguous()
         chain_pos = batch.seq_lens.view(bs, 1).to(torch.int64) + torch.arange(
             self.out_width, device=self.device)
         self._append_target_hidden_to_draft_kv_by_loc(
@@ -283,6 +352,9 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
             cache_loc_2d=front_loc, commit_lens=commit_lens)
         logits_output.hidden_states = None
+        if adaptive is not None:
+            adaptive.observe(bs, budget, started, depth_probs, commit_lens)
+            internals.report_per_request(logits_output, "ddtree_budget", [budget] * bs)
 
         return internals.GenerationBatchResult(
             logits_output=logits_output,
@@ -299,13 +371,14 @@ class DDTreeWorker(internals.DFlashWorkerV2):
     def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
         """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
         return tree_stage(self._draft_logits(draft_hidden), roots, seq_lens, self.budget,
-                          self.depth, self._builder)
+                          self.depth, self._builder,
+                          tuple(self.budgets) if len(self.budgets) > 1 else ())
 
     def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
         """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
         return self._accept(tokens, parents, depths, choice, self.depth, self.out_width)
 
-    def _move_accepted_kv(self, batch, step: StepCommit) -> None:
+    def _move_accepted_kv(self, batch, step: StepCommit, n: int) -> None:
         """Accepted path's K/V -> the committed positions: one launch that moves only what
         is not in place (kernels/kv_move.py), or SGLang's generic move for pool layouts the
         kernel does not address."""
@@ -318,8 +391,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                 self.model_runner.token_to_kv_pool_allocator)
             return
         data_ptrs, row_bytes, max_row_bytes = self._kv_move
-        tgt, src = kv_moves(batch.out_cache_loc, step.accept_index, step.commit_lens,
-                            self.verify_width)
+        tgt, src = kv_moves(batch.out_cache_loc, step.accept_index, step.commit_lens, n)
         move_rows(data_ptrs, row_bytes, max_row_bytes, tgt, src)
 
     def _host_seq_lens_bound(self, batch, draft_input, extra: int):
@@ -384,8 +456,9 @@ class DDTreeWorker(internals.DFlashWorkerV2):
 
     def _prepare_verify(self, batch, draft_input, layout):
         """Tree verify input + TARGET_VERIFY forward batch (graph loaded when it fits)."""
-        n = self.verify_width
-        seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, n)
+        n = layout.num_tokens_per_req  # this step's width (the bound: the widest step)
+        seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input,
+                                                               self.verify_width)
         mask = verify_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
         verify_input = internals.EagleVerifyInput(
             draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,

@@ -1,0 +1,182 @@
+"""The batch-aware tree budget in the SGLang worker: per decode batch, verify the tree cut to
+the candidate budget that commits the most tokens per millisecond (budget.py has the why).
+
+What the worker gets from here, per step:
+  * `choose(bs)` on the host, before the draft: the budget for this batch, from the batch size,
+    the step-cost table and the drafter's calibrated expected acceptance as of an earlier step
+    (a non-blocking copy, `LaggedHostCopy`: nothing waits for the GPU);
+  * `runtime(width)`: the target attention backend and verify CUDA graphs for that width,
+    built at startup per candidate (internals.build_verify_runtime);
+  * `observe(...)` after the acceptance walk, on the GPU: the calibration learns observed over
+    predicted acceptance, and the per-request expected acceptance of every candidate is
+    refreshed for a later step's choice;
+  * step timing with CUDA events, read back once they completed, which refines the cost table.
+
+Costs: the verify pass of every (captured batch size, candidate width) is timed at startup by
+replaying its graph; what the rest of a step costs is learned per batch size from live steps
+(budget.LiveStepCosts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from ddtree_sglang.budget import DepthCalibration, LiveStepCosts, choose_budget
+
+logger = logging.getLogger(__name__)
+
+
+class LaggedHostCopy:
+    """The most recent completed host copy of a small GPU tensor, read without waiting.
+
+    push() starts a non-blocking copy into pinned memory unless the previous one is still in
+    flight; latest() returns the newest copy that has landed (None before the first).  A CPU
+    tensor is copied at once (tests)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._host = torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self._value: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def _harvest(self) -> bool:
+        if self._event is None:
+            return True
+        if not self._event.query():
+            return False
+        self._value = self._host.clone()
+        self._event = None
+        return True
+
+    def push(self, x: torch.Tensor) -> None:
+        if not self._harvest():
+            return
+        if not x.is_cuda:
+            self._value = x.detach().clone()
+            return
+        self._host.copy_(x, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def latest(self) -> torch.Tensor | None:
+        self._harvest()
+        return self._value
+
+
+class _HostMark:
+    """A CPU stand-in for a timing CUDA event (the worker on a CPU-only test machine)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_HostMark") -> float:
+        return (end.t - self.t) * 1e3
+
+
+class StepTimer:
+    """Timings of whole decode steps by CUDA events, collected once the GPU has run them (no
+    waiting); host clocks where there is no GPU."""
+
+    def __init__(self, max_pending: int = 256) -> None:
+        self._pending: deque = deque()
+        self.max_pending = max_pending
+        self.cuda = torch.cuda.is_available()
+
+    def _mark(self):
+        if not self.cuda:
+            return _HostMark()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self):
+        return self._mark()
+
+    def stop(self, key: tuple, start) -> None:
+        end = self._mark()
+        if len(self._pending) < self.max_pending:
+            self._pending.append((key, start, end))
+
+    def finished(self) -> list[tuple[tuple, float]]:
+        done = []
+        while self._pending and self._pending[0][2].query():
+            key, start, end = self._pending.popleft()
+            done.append((key, start.elapsed_time(end)))
+        return done
+
+
+class AdaptiveBudget:
+    """Host-side choice + GPU-side statistics of the batch-aware budget (one per worker)."""
+
+    def __init__(self, budgets: list[int], max_depth: int, runtimes: dict[int, tuple],
+                 costs: LiveStepCosts, device, decay: float = 0.9) -> None:
+        self.budgets = list(budgets)
+        self.runtimes = runtimes  # verify width -> (attention backend, graph runner)
+        self.costs = costs
+        self.decay = decay
+        self.calibration = DepthCalibration(max_depth, device=device)
+        self._expected = torch.zeros(len(budgets), device=device)  # per request, EMA
+        self._seen = False
+        self._lagged = LaggedHostCopy((len(budgets),), torch.float32)
+        self._timer = StepTimer()
+        self._last_choice: dict[int, int] = {}  # cost row -> budget, for the log
+        self.steps = dict.fromkeys(self.budgets, 0)
+
+    def choose(self, bs: int) -> int:
+        """The budget for a decode batch of `bs` requests (host only; no GPU wait)."""
+        for (batch, budget), ms in self._timer.finished():
+            self.costs.observe(batch, budget, ms)
+        expected = self._lagged.latest()
+        if expected is None:  # nothing learned yet: the configured (largest) budget
+            return self.budgets[-1]
+        rates_index = int(choose_budget(bs, expected * bs, self.costs.row(bs, self.budgets)))
+        budget = self.budgets[rates_index]
+        row = self.costs.batch_row(bs)
+        if self._last_choice.get(row) != budget:
+            self._last_choice[row] = budget
+            logger.info("DDTREE budget: batch size %d -> B=%d (expected accepted per request "
+                        "%s, step ms %s over budgets %s)", bs, budget,
+                        [round(float(x), 2) for x in expected],
+                        [round(float(x), 2) for x in self.costs.row(bs, self.budgets)],
+                        self.budgets)
+        return budget
+
+    def start_step(self):
+        return self._timer.start()
+
+    def observe(self, bs: int, budget: int, start,
+                depth_probs: torch.Tensor, commit_lens: torch.Tensor) -> None:
+        """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
+        predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
+        self._timer.stop((bs, budget), start)
+        self.steps[budget] += 1
+        predicted = depth_probs.sum(0)  # [K, D]
+        k = self.budgets.index(budget)
+        self.calibration.update(predicted[k], commit_lens.long() - 1)
+        per_request = self.calibration.corrected(predicted) / bs  # [K]
+        if self._seen:
+            self._expected.mul_(self.decay).add_(per_request, alpha=1 - self.decay)
+        else:
+            self._expected.copy_(per_request)
+            self._seen = True
+        self._lagged.push(self._expected)
+
+
+def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | None:
+    """The startup cost table {batch size: {budget: verify ms}} from timing every width's
+    captured verify graphs (`time_graphs(runner)` -> {bs: ms} or None); None if any width has
+    no timable graphs."""
+    table: dict[int, dict[int, float]] = {}
+    for width, (_, runner) in runtimes.items():
+        timed = time_graphs(runner) if runner is not None else None
+        if not timed:
+            return None
+        for bs, ms in timed.items():
+            table.setdefault(bs, {})[width - 1] = ms
+    return LiveStepCosts(table)

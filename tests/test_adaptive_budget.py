@@ -1,0 +1,73 @@
+"""The worker's batch-aware budget (sglang_plugin/adaptive_budget.py), on the CPU: the host
+choice follows what the GPU-side statistics learned, against the brute-force optimum."""
+import torch
+
+from ddtree_sglang.budget import LiveStepCosts
+from ddtree_sglang.sglang_plugin.adaptive_budget import (AdaptiveBudget, LaggedHostCopy,
+                                                         StepTimer, verify_costs)
+
+BUDGETS = [7, 15, 32]
+DEPTH = 4
+
+
+def depth_probs(bs: int, per_budget: list[float]) -> torch.Tensor:
+    """[bs, K, D] predictions whose per-request total for budget k is per_budget[k]."""
+    p = torch.tensor(per_budget).view(1, -1, 1).expand(bs, -1, DEPTH) / DEPTH
+    return p.contiguous()
+
+
+def make(costs: dict) -> AdaptiveBudget:
+    runtimes = {b + 1: (f"backend{b}", f"graphs{b}") for b in BUDGETS}
+    return AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts(costs), "cpu", decay=0.5)
+
+
+def brute_force(bs: int, expected: list[float], ms: list[float]) -> int:
+    rates = [bs * (e + 1) / c for e, c in zip(expected, ms)]
+    return BUDGETS[rates.index(max(rates))]
+
+
+def test_first_steps_use_the_configured_budget_then_the_best_rate():
+    costs = {1: {7: 8.0, 15: 8.2, 32: 8.6}, 64: {7: 40.0, 15: 60.0, 32: 110.0}}
+    ab = make(costs)
+    assert ab.choose(1) == 32 and ab.choose(64) == 32  # nothing learned yet
+    expected = [2.0, 3.0, 3.5]
+    for bs in (1, 64):  # a perfectly calibrated drafter: observed = predicted
+        start = ab.start_step()
+        ab.observe(bs, 32, start, depth_probs(bs, expected),
+                   torch.full((bs,), 5, dtype=torch.int32))
+    learned = ab._lagged.latest()
+    for bs in (1, 64):
+        want = brute_force(bs, learned.tolist(), [costs[bs][b] + ab.costs.rest_ms.get(bs, 0.0)
+                                                 for b in BUDGETS])
+        assert ab.choose(bs) == want
+    assert ab.choose(1) == 32 and ab.choose(64) == 7  # wide tree alone, small tree under load
+    assert ab.steps == {7: 0, 15: 0, 32: 2}
+
+
+def test_calibration_lowers_an_overconfident_drafter():
+    ab = make({8: {7: 10.0, 15: 10.5, 32: 11.0}})
+    for _ in range(30):  # the drafter promises 4 tokens at every depth, requests accept 0
+        ab.observe(8, 32, ab.start_step(), depth_probs(8, [4.0, 4.0, 4.0]),
+                   torch.ones(8, dtype=torch.int32))
+    assert float(ab._lagged.latest().max()) < 0.05
+    assert ab.choose(8) == 7  # nothing is accepted: the cheapest verify wins
+
+
+def test_lagged_copy_and_timer_on_the_cpu():
+    lag = LaggedHostCopy((2,), torch.float32)
+    assert lag.latest() is None
+    lag.push(torch.tensor([1.0, 2.0]))
+    assert lag.latest().tolist() == [1.0, 2.0]
+    timer = StepTimer()
+    timer.stop(("k",), timer.start())
+    done = timer.finished()
+    assert [k for k, _ in done] == [("k",)] and done[0][1] >= 0.0 and timer.finished() == []
+
+
+def test_startup_costs_need_every_width_timed():
+    runtimes = {8: ("b", "r8"), 33: ("b", "r33")}
+    timed = {"r8": {1: 5.0, 8: 6.0}, "r33": {1: 5.5, 8: 9.0}}
+    costs = verify_costs(runtimes, timed.get)
+    assert costs.table == {1: {7: 5.0, 32: 5.5}, 8: {7: 6.0, 32: 9.0}}
+    assert verify_costs(runtimes, {"r8": {1: 5.0}}.get) is None
+    assert verify_costs({8: ("b", None)}, timed.get) is None
