@@ -26,6 +26,7 @@ from collections import deque
 import torch
 
 from ddtree_sglang.budget import DepthCalibration, LiveStepCosts, choose_budget
+from ddtree_sglang.sglang_plugin import internals
 
 logger = logging.getLogger(__name__)
 
@@ -180,3 +181,38 @@ def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | Non
         for bs, ms in timed.items():
             table.setdefault(bs, {})[width - 1] = ms
     return LiveStepCosts(table)
+
+
+def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepare_backend=None,
+                          log: bool = True) -> AdaptiveBudget | None:
+    """A target verify (attention backend + CUDA graphs) per candidate width of the target's
+    model `runner`, each timed; or None, with a warning (every step then verifies the largest
+    budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""
+    largest = budgets[-1]
+    runtimes = {largest + 1: internals.verify_runtime(runner)}
+    if runtimes[largest + 1][1] is None or not torch.cuda.is_available():
+        logger.warning("DDTREE: the batch-aware budget needs the target's verify CUDA graphs "
+                       "(off here); every step verifies B=%d", largest)
+        return None
+    free_before = torch.cuda.mem_get_info()[0] / 2**30
+    try:
+        for budget in budgets[:-1]:
+            runtimes[budget + 1] = internals.build_verify_runtime(runner, budget + 1,
+                                                                  prepare_backend)
+        costs = verify_costs(runtimes, internals.time_verify_graphs)
+    except Exception as exc:  # noqa: BLE001 - e.g. no memory left for more graphs
+        logger.warning("DDTREE: the batch-aware budget could not build its narrower verifies "
+                       "(%s: %s); every step verifies B=%d", type(exc).__name__,
+                       str(exc)[:300], largest)
+        return None
+    if costs is None:
+        logger.warning("DDTREE: the verify graphs could not be timed; every step verifies B=%d",
+                       largest)
+        return None
+    if log:
+        logger.info("DDTREE batch-aware budget: candidates %s, verify graphs built for %d more "
+                    "widths (%.2f GiB); verify ms at startup by batch size: %s", budgets,
+                    len(budgets) - 1, free_before - torch.cuda.mem_get_info()[0] / 2**30,
+                    {bs: {b: round(ms, 2) for b, ms in row.items()}
+                     for bs, row in costs.table.items()})
+    return AdaptiveBudget(budgets, depth, runtimes, costs, device)

@@ -369,10 +369,12 @@ def runtime_spec():
     return get_spec()
 
 
-def build_verify_runtime(model_runner, width: int):
+def build_verify_runtime(model_runner, width: int, prepare_backend=None):
     """(attention backend, verify CUDA-graph runner or None) for target verifies of `width`
     tokens a request, built as SGLang 0.5.17's EAGLE adaptive speculation builds its per-width
-    states: under a temporary speculative_num_draft_tokens = width, with a fresh workspace."""
+    states: under a temporary speculative_num_draft_tokens = width, with a fresh workspace.
+    `prepare_backend(backend)` runs before the graphs are captured (they record what it
+    installs)."""
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.runtime_context import get_context
 
@@ -384,6 +386,8 @@ def build_verify_runtime(model_runner, width: int):
             backend = model_runner._get_attention_backend(init_new_workspace=True)
         finally:
             model_runner.init_new_workspace = saved_workspace
+        if prepare_backend is not None:
+            prepare_backend(backend)
         runner = None
         if model_runner.decode_cuda_graph_runner is not None:
             runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,

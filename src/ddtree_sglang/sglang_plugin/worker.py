@@ -5,7 +5,8 @@ DFlashWorkerV2's.  A decode step then:
 
   1. drafts the block [bonus, MASK x (bs-1)] once and takes the drafter's full distributions
      for depths 1..L through the target's lm_head (the greedy in-graph head is not used);
-  2. builds the B-best tree, its verify layout and the FULL tree mask (ddtree_sglang core);
+  2. builds the B-best tree, its verify layout and the FULL tree mask (ddtree_sglang core),
+     cut to the budget chosen for this batch (adaptive_budget.py; B when pinned);
   3. verifies root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask input
      (Triton / FlashInfer, CUDA graphs captured with the mask, see plugin.py);
   4. samples the target once per node (argmax when greedy) and walks the tree (core);
@@ -32,7 +33,7 @@ from ddtree_sglang.decode_step import (StepCommit, accept_stage,
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
-from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, verify_costs
+from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import budgets_setting, env_setting
@@ -182,36 +183,15 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                 self.budgets = [self.budget]
 
     def _build_adaptive_budget(self) -> AdaptiveBudget | None:
-        """A target verify (attention backend + CUDA graphs) per candidate width, each timed,
-        or None (with a warning: DDTREE then verifies B every step) where that cannot be."""
-        runner = self.target_worker.model_runner
-        runtimes = {self.verify_width: internals.verify_runtime(runner)}
-        if runtimes[self.verify_width][1] is None or not torch.cuda.is_available():
-            logger.warning("DDTREE: the batch-aware budget needs the target's verify CUDA "
-                           "graphs (off here); every step verifies B=%d", self.budget)
-            return None
-        mem_before = torch.cuda.mem_get_info()[0] / 2**30
-        for budget in self.budgets[:-1]:
-            width = budget + 1
-            runtimes[width] = internals.build_verify_runtime(runner, width)
-            if self._split_attention:
-                why = self._install_split_attention(runtimes[width][0])
-                if why is not None:  # the same check passed on the first backend
-                    raise RuntimeError(f"DDTREE: split verify attention failed at width "
-                                       f"{width}: {why}")
-        costs = verify_costs(runtimes, internals.time_verify_graphs)
-        if costs is None:
-            logger.warning("DDTREE: the verify graphs could not be timed; every step verifies "
-                           "B=%d", self.budget)
-            return None
-        if self.ps.tp_rank == 0:
-            logger.info("DDTREE batch-aware budget: candidates %s, verify graphs built for %d "
-                        "more widths (%.2f GiB); verify ms at startup by batch size: %s",
-                        self.budgets, len(self.budgets) - 1,
-                        mem_before - torch.cuda.mem_get_info()[0] / 2**30,
-                        {bs: {b: round(ms, 2) for b, ms in row.items()}
-                         for bs, row in costs.table.items()})
-        return AdaptiveBudget(self.budgets, self.depth, runtimes, costs, self.device)
+        def split(backend) -> None:  # the same check passed on the configured width's backend
+            why = self._install_split_attention(backend)
+            if why is not None:
+                raise RuntimeError(f"split verify attention failed on a narrower verify's "
+                                   f"backend: {why}")
+
+        return build_adaptive_budget(self.target_worker.model_runner, self.budgets, self.depth,
+                                     self.device, split if self._split_attention else None,
+                                     log=self.ps.tp_rank == 0)
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size
