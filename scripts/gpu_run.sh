@@ -7,6 +7,7 @@
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
 #   ARMS=dflash,ddtree-b15,ddtree-b15-split bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
 #   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
+#   ARMS=dflash,ddtree-auto bash scripts/gpu_run.sh auto   # issue 13's serving run, in slices of arms
 # Results are written straight under $OUT (so a run cut short still returns them); server
 # logs are packed into one tarball at the end (at most 8 files come back from $OUT).
 set -uo pipefail
@@ -34,7 +35,10 @@ case "${1:-}" in
          timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_profile_qwen3_8b.yaml \
              --out "$OUT/profile" ${ARMS:+--arms $ARMS}
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;
+  auto)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed_auto.yaml \
+             --out "$OUT/auto" ${ARMS:+--arms $ARMS}
+         pack "$OUT/auto" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;
-  *)     echo "usage: bash scripts/gpu_run.sh tree|e2e|rel|bench|cost|profile|pair" >&2; exit 2 ;;
+  *)     echo "usage: bash scripts/gpu_run.sh tree|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
 esac
