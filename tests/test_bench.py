@@ -247,7 +247,8 @@ def test_arm_environment_is_checked_and_reaches_the_server():
     assert [(a.budget, a.env) for a in split] == [
         (15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})]
     spec = serve_bench.server_spec(cfg, split[0], "m", "d")
-    assert spec.env == {"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}
+    # a fixed-budget arm pins the budget (the server's default is the batch-aware choice)
+    assert spec.env == {"SGLANG_DDTREE_VERIFY_ATTENTION": "split", "SGLANG_DDTREE_BUDGETS": "off"}
     for env, message in [({"SGLANG_DDTREE_VERIFY_ATTENTION": "fast"}, "accepted: single, split"),
                          ({"FOO": "1"}, "unknown env 'FOO'")]:
         with pytest.raises(ValueError, match=message):

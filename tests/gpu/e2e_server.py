@@ -169,6 +169,9 @@ def main() -> None:
         # the budget pinned to B (the other DDTREE arms choose per batch, the default)
         "ddtree_fixed": ServerSpec(target, "ddtree_fixed", "DDTREE", drafter, args.budget + 1,
                                    env={"SGLANG_DDTREE_BUDGETS": "off"}),
+        # a chain-sized maximum: the batch-aware choice between 7 and 15 (a tree narrower
+        # than the draft block: the draft KV and the commit use the padded front slots)
+        "ddtree_b15auto": ServerSpec(target, "ddtree_b15auto", "DDTREE", drafter, 16),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
         # the split verify attention (prefix without mask + tree with it, merged by LSE)
@@ -209,14 +212,16 @@ def main() -> None:
     write(args.out, results)
     summary = [summarize(r) for r in results]
     print("\n| arm | healthy after s (all started together) | openai | greedy not-argmax (>tol) / near-ties / tokens | "
-          "sampled NLL vs entropy | mixed ok /24 | accept len | KV after flush | alive | leak |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "sampled NLL vs entropy | mixed ok /24 | accept len | budget: greedy steps | "
+          "KV after flush | alive | leak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         g, s = r.get("greedy_check", {}), r.get("sampling_check", {})
         print(f"| {r['arm']} | {r.get('healthy_after_s')} | {r.get('openai_completions')}/{r.get('openai_chat')} | "
               f"{g.get('not_argmax_beyond_tol')} / {g.get('near_ties')} / {g.get('tokens')} | "
               f"{s.get('mean_nll')} vs {s.get('mean_entropy')} | {r.get('mixed_ok')} | "
-              f"{r.get('accept_length')} | {r.get('kv_tokens_after_flush')} | {r.get('alive_at_end')} | "
+              f"{r.get('accept_length')} | {r.get('budget_steps')} | "
+              f"{r.get('kv_tokens_after_flush')} | {r.get('alive_at_end')} | "
               f"{r.get('leak_in_log')} | {r.get('error', '')[:200]}")
 
 
