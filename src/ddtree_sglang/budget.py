@@ -54,8 +54,8 @@ def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
     onehot = torch.nn.functional.one_hot((depths - 1).clamp(0, max_depth - 1).long(),
                                          max_depth).to(probs.dtype)  # [bs, B, D]
     cum = (probs.unsqueeze(-1) * onehot).cumsum(1)  # [bs, B, D]: the first b nodes
-    index = torch.tensor([b - 1 for b in budgets], device=scores.device)
-    return cum.index_select(1, index)
+    # plain slices, no index tensor: nothing is copied from the host inside a CUDA graph
+    return torch.stack([cum[:, b - 1] for b in budgets], dim=1)
 
 
 # Candidate budgets of the adaptive choice below the configured maximum (which is always one):
