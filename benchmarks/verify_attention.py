@@ -60,7 +60,7 @@ def main() -> None:
 
     from ddtree_sglang.sglang_plugin.verify_attention import split_attention, verify_case
 
-    split = split_attention(fwd, merge_state_triton, inspect.signature(fwd))
+    split = split_attention(fwd, merge_state_triton, inspect.signature(fwd), min_requests=1)
 
     dev = "cuda"
     chain = torch.tril(torch.ones(16, 16, dtype=torch.bool))

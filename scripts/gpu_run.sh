@@ -28,7 +28,7 @@ case "${1:-}" in
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;
   bench) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out "$OUT/bench"
          pack "$OUT/bench" ;;
-  cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_cost_qwen3_8b.yaml \
+  cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_cost_qwen3_8b.yaml} \
              --out "$OUT/cost" ${ARMS:+--arms $ARMS}
          pack "$OUT/cost" ;;
   profile) timeout 90 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -10

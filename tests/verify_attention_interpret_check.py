@@ -18,7 +18,7 @@ def main() -> None:
     signature = inspect.signature(single)
     # the worker's startup check, in float32 on the CPU
     assert check_split_attention(single, merge, signature, "cpu", torch.float32) is None
-    split = split_attention(single, merge, signature)
+    split = split_attention(single, merge, signature, min_requests=1)
     cases = 0
     for bs, n, prefix in [(1, 5, 3), (2, 17, 9), (3, 8, 1)]:
         args, rows = verify_case(bs, n, prefix, 4, 2, 16, "cpu", torch.float32)
@@ -37,9 +37,12 @@ def main() -> None:
 
     args, _ = verify_case(1, 4, 2, 2, 1, 16, "cpu", torch.float32)
     lse = torch.zeros(4, 2)
-    split_attention(recording, merge, signature)(**{**args, "lse_extend": lse})
-    split_attention(recording, merge, signature)(**{**args, "custom_mask": None})
-    assert len(calls) == 2 and calls[0]["lse_extend"] is lse and "skip_extend" not in calls[0]
+    split_attention(recording, merge, signature, min_requests=1)(**{**args, "lse_extend": lse})
+    split_attention(recording, merge, signature, min_requests=1)(**{**args, "custom_mask": None})
+    # a tree verify of fewer requests than the split's minimum (small batches: one call)
+    split_attention(recording, merge, signature, min_requests=2)(**args)
+    assert len(calls) == 3 and calls[0]["lse_extend"] is lse and "skip_extend" not in calls[0]
+    assert all("skip_extend" not in c and "skip_prefix" not in c for c in calls)
     print("VERIFY ATTENTION OK", cases)
 
 
