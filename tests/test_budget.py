@@ -167,12 +167,17 @@ def test_candidate_budgets_end_with_the_maximum():
 
 
 def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
-    costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, decay=0.5)
+    costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, window=3)
     assert costs.row(5, [7, 32]).tolist() == [10.0, 20.0]
     costs.observe(5, 32, 26.0)  # a step at batch row 8 took 6 ms more than its verify
     assert costs.row(8, [7, 32]).tolist() == [16.0, 26.0]
-    costs.observe(8, 7, 12.0)   # EMA: 0.5 * 6 + 0.5 * 2
+    costs.observe(8, 7, 12.0)   # median of 6 and 2
     assert costs.row(8, [7, 32]).tolist() == [14.0, 24.0]
+    costs.observe(8, 7, 90.0)   # a one-time spike (80 ms more) does not move the median
+    assert costs.rest_ms[8] == 6.0
     assert costs.row(64, [7, 32]).tolist() == [30.0, 90.0]  # other rows unchanged
     costs.observe(8, 15, 99.0)  # a budget without a verify time teaches nothing
-    assert costs.rest_ms[8] == 4.0
+    assert costs.rest_ms[8] == 6.0
+    for _ in range(3):  # the window forgets: the last three steps decide
+        costs.observe(8, 32, 23.0)
+    assert costs.rest_ms[8] == 3.0

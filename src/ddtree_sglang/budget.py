@@ -25,6 +25,8 @@ candidate budget yields every smaller budget's tree by truncation (`tree.truncat
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 
 import torch
 
@@ -152,17 +154,21 @@ class StepCosts:
 
 class LiveStepCosts(StepCosts):
     """Step costs for a serving engine: a measured table of the budget-dependent part (the
-    verify pass, timed at startup) plus, per batch size, an EMA of what the rest of a live step
-    costs (drafting, tree, acceptance, host gaps), learned from whole-step timings.
+    verify pass, timed at startup) plus, per batch size, what the rest of a live step costs
+    (drafting, tree, acceptance, host gaps), learned from whole-step timings.
 
     `observe(batch, budget, ms)` takes a timed step; `row` then adds the learned remainder of
-    that batch row to every budget, so budgets that were never chosen stay comparable."""
+    that batch row to every budget, so budgets that were never chosen stay comparable.  The
+    remainder is the median of the row's last `window` steps: a step that pays one-time work
+    (the first steps of a batch size compile and warm up) does not move it (an H200 run showed
+    such steps at 17-81 ms where steady ones take a few)."""
 
-    def __init__(self, table: dict[int, dict[int, float]], decay: float = 0.9) -> None:
+    def __init__(self, table: dict[int, dict[int, float]], window: int = 15) -> None:
         super().__init__(table)
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._recent: dict[int, deque] = {}
+        self.window = window
         self.rest_ms: dict[int, float] = {}
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
@@ -170,9 +176,9 @@ class LiveStepCosts(StepCosts):
         verify = self.table[key].get(budget)
         if verify is None or not step_ms > 0:
             return
-        rest = max(step_ms - verify, 0.0)
-        old = self.rest_ms.get(key)
-        self.rest_ms[key] = rest if old is None else self.decay * old + (1 - self.decay) * rest
+        recent = self._recent.setdefault(key, deque(maxlen=self.window))
+        recent.append(max(step_ms - verify, 0.0))
+        self.rest_ms[key] = statistics.median(recent)
 
     def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
         return super().row(batch_size, budgets) + self.rest_ms.get(self.batch_row(batch_size),
