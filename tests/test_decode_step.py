@@ -162,3 +162,13 @@ def test_tree_stage_reports_the_candidates_expected_acceptance():
     assert probs.shape == (2, 2, 5)
     assert torch.allclose(probs, expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
     assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5))[1] is None
+
+
+def test_commit_slots_of_wide_and_narrow_verifies():
+    from ddtree_sglang.decode_step import commit_slots
+
+    loc = torch.arange(2 * 6) + 100  # two requests, 6 verify slots each
+    assert commit_slots(loc, 2, 6, 4).tolist() == [[100, 101, 102, 103], [106, 107, 108, 109]]
+    # narrower than the commit width: the n real slots, then the last one repeated (unwritten)
+    assert commit_slots(loc, 2, 6, 8).tolist() == [[100, 101, 102, 103, 104, 105, 105, 105],
+                                                   [106, 107, 108, 109, 110, 111, 111, 111]]

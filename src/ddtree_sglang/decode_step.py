@@ -28,6 +28,7 @@ from ddtree_sglang.tree import (DraftTree, build_draft_tree, check_logsumexp_ker
                                 check_topk_kernel)
 
 __all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_accept_kernel", "check_builder",
+           "commit_slots",
            "fused_accept_stage",
            "check_kv_move_kernel", "check_logsumexp_kernel", "check_topk_kernel", "kv_moves",
            "move_rows", "penalise_nodes", "select_builder", "tree_stage", "truncate_layout", "unpack_tree_stage",
@@ -210,6 +211,18 @@ def kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
     src = torch.where(j < commit_lens.view(bs, 1), out_cache_loc[accept_index.clamp(min=0).long()],
                       tgt)
     return tgt, src
+
+
+def commit_slots(out_cache_loc: torch.Tensor, bs: int, n: int, out_width: int) -> torch.Tensor:
+    """[bs, out_width] the KV slots of committed positions seq_len + j (the first out_width of
+    each request's n verify slots), for writes that stop at each request's commit length.
+
+    A verify narrower than out_width (a budget below the draft depth) commits at most n tokens;
+    the columns past n repeat the last slot and are never written."""
+    loc = out_cache_loc.view(bs, n)[:, :out_width]
+    if n < out_width:
+        loc = torch.cat([loc, loc[:, -1:].expand(bs, out_width - n)], dim=1)
+    return loc.contiguous()
 
 
 def check_kv_move_kernel(device, width: int = 16) -> str | None:

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from ddtree_sglang.decode_step import (StepCommit, accept_stage,
+from ddtree_sglang.decode_step import (StepCommit, accept_stage, commit_slots,
                                        check_accept_kernel, check_builder,
                                        check_kv_move_kernel, check_logsumexp_kernel,
                                        check_topk_kernel,
@@ -319,12 +319,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         feats = logits_output.hidden_states
         if feats is None:
             raise RuntimeError("DDTREE verify needs the target's captured hidden states")
-        front_loc = batch.out_cache_loc.view(bs, n)[:, : self.out_width]
-        if n < self.out_width:  # a tree narrower than the block commits at most n tokens;
-            # the columns past them are never written (prefix-valid writes, commit_lens)
-            front_loc = torch.cat([front_loc, front_loc[:, -1:].expand(
-                bs, self.out_width - n)], dim=1)
-        front_loc = front_loc.contiguous()
+        front_loc = commit_slots(batch.out_cache_loc, bs, n, self.out_width)
         chain_pos = batch.seq_lens.view(bs, 1).to(torch.int64) + torch.arange(
             self.out_width, device=self.device)
         self._append_target_hidden_to_draft_kv_by_loc(
