@@ -18,7 +18,8 @@ def depth_probs(bs: int, per_budget: list[float]) -> torch.Tensor:
 
 def make(costs: dict) -> AdaptiveBudget:
     runtimes = {b + 1: (f"backend{b}", f"graphs{b}") for b in BUDGETS}
-    return AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts(costs), "cpu", decay=0.5)
+    return AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts(costs), "cpu", decay=0.5,
+                          stats_every=1)
 
 
 def brute_force(bs: int, expected: list[float], ms: list[float]) -> int:
@@ -71,3 +72,17 @@ def test_startup_costs_need_every_width_timed():
     assert costs.table == {1: {7: 5.0, 32: 5.5}, 8: {7: 6.0, 32: 9.0}}
     assert verify_costs(runtimes, {"r8": {1: 5.0}}.get) is None
     assert verify_costs({8: ("b", None)}, timed.get) is None
+
+
+def test_statistics_are_updated_on_every_nth_step_only():
+    runtimes = {b + 1: (None, None) for b in BUDGETS}
+    ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.0, 32: 1.0}}),
+                        "cpu", decay=0.5, stats_every=3)
+    ones = torch.full((8,), 5, dtype=torch.int32)  # every request accepts 4 draft tokens
+    ab.observe(8, 32, ab.start_step(), depth_probs(8, [1.0, 2.0, 3.0]), ones)  # the first: kept
+    first = ab._lagged.latest().clone()
+    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.0, 0.0, 0.0]), ones)  # skipped
+    assert torch.equal(ab._lagged.latest(), first)
+    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.0, 0.0, 0.0]), ones)  # 3rd: kept
+    assert not torch.equal(ab._lagged.latest(), first)
+    assert ab.steps[32] == 3  # every step is counted and timed

@@ -116,8 +116,12 @@ class AdaptiveBudget:
     """Host-side choice + GPU-side statistics of the batch-aware budget (one per worker)."""
 
     def __init__(self, budgets: list[int], max_depth: int, runtimes: dict[int, tuple],
-                 costs: LiveStepCosts, device, decay: float = 0.9) -> None:
+                 costs: LiveStepCosts, device, decay: float = 0.9, stats_every: int = 4) -> None:
         self.budgets = list(budgets)
+        # The acceptance statistics are ~25 small launches; they move slowly, so every
+        # stats_every-th step's tree and acceptance are enough (a subsample, not a bias).
+        self.stats_every = stats_every
+        self._observed = 0
         self.runtimes = runtimes  # verify width -> (attention backend, graph runner)
         self.costs = costs
         self.decay = decay
@@ -157,6 +161,9 @@ class AdaptiveBudget:
         predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
         self._timer.stop((bs, budget), start)
         self.steps[budget] += 1
+        self._observed += 1
+        if self._observed % self.stats_every and self._seen:
+            return
         predicted = depth_probs.sum(0)  # [K, D]
         k = self.budgets.index(budget)
         self.calibration.update(predicted[k], commit_lens.long() - 1)
