@@ -19,7 +19,7 @@ def depth_probs(bs: int, per_budget: list[float]) -> torch.Tensor:
 def make(costs: dict) -> AdaptiveBudget:
     runtimes = {b + 1: (f"backend{b}", f"graphs{b}") for b in BUDGETS}
     return AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts(costs), "cpu", decay=0.5,
-                          stats_every=1)
+                          stats_every=1, explore_every=10**9)
 
 
 def brute_force(bs: int, expected: list[float], ms: list[float]) -> int:
@@ -48,7 +48,7 @@ def test_first_steps_use_the_configured_budget_then_the_best_rate():
 def test_calibration_lowers_an_overconfident_drafter():
     ab = make({8: {7: 10.0, 15: 10.5, 32: 11.0}})
     for _ in range(30):  # the drafter promises 4 tokens at every depth, requests accept 0
-        ab.observe(8, 32, ab.start_step(), depth_probs(8, [4.0, 4.0, 4.0]),
+        ab.observe(8, 32, None, depth_probs(8, [4.0, 4.0, 4.0]),  # untimed: the table decides
                    torch.ones(8, dtype=torch.int32))
     assert float(ab._lagged.latest().max()) < 0.05
     assert ab.choose(8) == 7  # nothing is accepted: the cheapest verify wins
@@ -86,3 +86,14 @@ def test_statistics_are_updated_on_every_nth_step_only():
     ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.0, 0.0, 0.0]), ones)  # 3rd: kept
     assert not torch.equal(ab._lagged.latest(), first)
     assert ab.steps[32] == 3  # every step is counted and timed
+
+
+def test_exploration_measures_every_candidate():
+    runtimes = {b + 1: (None, None) for b in BUDGETS}
+    ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}),
+                        "cpu", stats_every=1, explore_every=4)
+    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.5, 1.0, 3.0]),
+               torch.full((8,), 4, dtype=torch.int32))
+    picks = [ab.choose(8) for _ in range(12)]
+    assert picks[3] == 7 and picks[7] == 7  # never chosen on merit, so the least measured
+    assert [p for i, p in enumerate(picks) if i % 4 != 3] == [32] * 9

@@ -167,7 +167,8 @@ def test_candidate_budgets_end_with_the_maximum():
 
 
 def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
-    costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, window=3)
+    costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, window=3,
+                          min_samples=3)
     assert costs.row(5, [7, 32]).tolist() == [10.0, 20.0]
     costs.observe(5, 32, 26.0)  # a step at batch row 8 took 6 ms more than its verify
     assert costs.row(8, [7, 32]).tolist() == [16.0, 26.0]
@@ -178,6 +179,20 @@ def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
     assert costs.row(64, [7, 32]).tolist() == [30.0, 90.0]  # other rows unchanged
     costs.observe(8, 15, 99.0)  # a budget without a verify time teaches nothing
     assert costs.rest_ms[8] == 6.0
-    for _ in range(3):  # the window forgets: the last three steps decide
-        costs.observe(8, 32, 23.0)
-    assert costs.rest_ms[8] == 3.0
+
+
+def test_live_cells_replace_the_model_once_sampled():
+    """A cell measured min_samples times costs what it measured (its median), whatever the
+    startup table said: real contexts make wide verifies dearer than the capture-time table."""
+    costs = LiveStepCosts({8: {7: 10.0, 32: 11.0}}, window=5, min_samples=3)
+    for ms in (30.0, 31.0, 29.0):  # B = 32 really costs ~30 ms; its table said 11
+        costs.observe(8, 32, ms)
+    rest = costs.rest_ms[8]  # 19: charged to B = 7 too, which has no live steps yet
+    assert rest == 19.0
+    assert costs.row(8, [7, 32]).tolist() == [29.0, 30.0]
+    assert costs.least_sampled(8, [7, 32]) == 7 and costs.least_sampled(8, [7, 15, 32]) == 7
+    for ms in (14.0, 15.0, 16.0):  # B = 7 measured: 15 ms, not the modelled 29
+        costs.observe(8, 7, ms)
+    assert costs.row(8, [7, 32]).tolist() == [15.0, 30.0]
+    with pytest.raises(ValueError, match="min_samples"):
+        LiveStepCosts({8: {7: 1.0}}, window=2, min_samples=3)

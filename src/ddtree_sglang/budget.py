@@ -153,22 +153,28 @@ class StepCosts:
 
 
 class LiveStepCosts(StepCosts):
-    """Step costs for a serving engine: a measured table of the budget-dependent part (the
-    verify pass, timed at startup) plus, per batch size, what the rest of a live step costs
-    (drafting, tree, acceptance, host gaps), learned from whole-step timings.
+    """Step costs for a serving engine, from a startup table of the budget-dependent part (the
+    verify pass, timed at startup) and whole-step timings of live steps.
 
-    `observe(batch, budget, ms)` takes a timed step; `row` then adds the learned remainder of
-    that batch row to every budget, so budgets that were never chosen stay comparable.  The
-    remainder is the median of the row's last `window` steps: a step that pays one-time work
-    (the first steps of a batch size compile and warm up) does not move it (an H200 run showed
-    such steps at 17-81 ms where steady ones take a few)."""
+    `observe(batch, budget, ms)` takes a timed step.  A (batch row, budget) cell with at least
+    `min_samples` live steps costs the median of its last `window` ones: real contexts and every
+    launch included.  Any other cell costs its startup verify time plus the row's remainder (the
+    median over the row's steps of step time minus verify time: drafting, tree, acceptance, host
+    gaps), so budgets not chosen yet stay comparable.  Medians, because the first steps of a
+    batch size pay one-time work (an H200 run showed 17-81 ms where steady steps take a few).
+    The startup verify times come from the graphs' capture-time (short) contexts, so only live
+    cells see how attention grows with the context; `least_sampled` tells an engine which
+    budget to try now and then (AdaptiveBudget explores)."""
 
-    def __init__(self, table: dict[int, dict[int, float]], window: int = 15) -> None:
+    def __init__(self, table: dict[int, dict[int, float]], window: int = 15,
+                 min_samples: int = 3) -> None:
         super().__init__(table)
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self._recent: dict[int, deque] = {}
-        self.window = window
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need window >= 1 and 1 <= min_samples <= window; got {window}, "
+                             f"{min_samples}")
+        self.window, self.min_samples = window, min_samples
+        self._rest: dict[int, deque] = {}
+        self._cells: dict[tuple[int, int], deque] = {}
         self.rest_ms: dict[int, float] = {}
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
@@ -176,13 +182,24 @@ class LiveStepCosts(StepCosts):
         verify = self.table[key].get(budget)
         if verify is None or not step_ms > 0:
             return
-        recent = self._recent.setdefault(key, deque(maxlen=self.window))
-        recent.append(max(step_ms - verify, 0.0))
-        self.rest_ms[key] = statistics.median(recent)
+        rest = self._rest.setdefault(key, deque(maxlen=self.window))
+        rest.append(max(step_ms - verify, 0.0))
+        self.rest_ms[key] = statistics.median(rest)
+        self._cells.setdefault((key, budget), deque(maxlen=self.window)).append(step_ms)
 
     def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
-        return super().row(batch_size, budgets) + self.rest_ms.get(self.batch_row(batch_size),
-                                                                   0.0)
+        key = self.batch_row(batch_size)
+        modelled = super().row(batch_size, budgets) + self.rest_ms.get(key, 0.0)
+        live = [self._cells.get((key, b), ()) for b in budgets]
+        return torch.tensor([statistics.median(c) if len(c) >= self.min_samples else float(m)
+                             for c, m in zip(live, modelled.tolist())])
+
+    def least_sampled(self, batch_size: int, budgets: list[int]) -> int:
+        """The measured budget of this batch row with the fewest live steps (the smallest on
+        ties)."""
+        key = self.batch_row(batch_size)
+        known = [b for b in budgets if b in self.table[key]]
+        return min(known, key=lambda b: (len(self._cells.get((key, b), ())), b))
 
 
 class BudgetController:

@@ -13,8 +13,10 @@ What the worker gets from here, per step:
   * step timing with CUDA events, read back once they completed, which refines the cost table.
 
 Costs: the verify pass of every (captured batch size, candidate width) is timed at startup by
-replaying its graph; what the rest of a step costs is learned per batch size from live steps
-(budget.LiveStepCosts).
+replaying its graph; what the rest of a step costs is learned per batch size from live steps,
+and a budget measured live a few times at a batch size costs what it measured
+(budget.LiveStepCosts); one step in `explore_every` per batch size tries the least-measured
+budget so that every candidate gets measured.
 """
 
 from __future__ import annotations
@@ -116,8 +118,14 @@ class AdaptiveBudget:
     """Host-side choice + GPU-side statistics of the batch-aware budget (one per worker)."""
 
     def __init__(self, budgets: list[int], max_depth: int, runtimes: dict[int, tuple],
-                 costs: LiveStepCosts, device, decay: float = 0.9, stats_every: int = 4) -> None:
+                 costs: LiveStepCosts, device, decay: float = 0.9, stats_every: int = 4,
+                 explore_every: int = 32) -> None:
         self.budgets = list(budgets)
+        # One step in explore_every of a batch size verifies its least-measured budget, so
+        # every candidate's live cost is known (lossless either way; at most that share of
+        # steps runs a budget the model does not prefer).
+        self.explore_every = explore_every
+        self._row_steps: dict[int, int] = {}
         # The acceptance statistics are ~25 small launches; they move slowly, so every
         # stats_every-th step's tree and acceptance are enough (a subsample, not a bias).
         self.stats_every = stats_every
@@ -140,9 +148,12 @@ class AdaptiveBudget:
         expected = self._lagged.latest()
         if expected is None:  # nothing learned yet: the configured (largest) budget
             return self.budgets[-1]
+        row = self.costs.batch_row(bs)
+        self._row_steps[row] = self._row_steps.get(row, 0) + 1
+        if self._row_steps[row] % self.explore_every == 0:
+            return self.costs.least_sampled(bs, self.budgets)
         rates_index = int(choose_budget(bs, expected * bs, self.costs.row(bs, self.budgets)))
         budget = self.budgets[rates_index]
-        row = self.costs.batch_row(bs)
         if self._last_choice.get(row) != budget:
             self._last_choice[row] = budget
             logger.info("DDTREE budget: batch size %d -> B=%d (expected accepted per request "
@@ -158,8 +169,10 @@ class AdaptiveBudget:
     def observe(self, bs: int, budget: int, start,
                 depth_probs: torch.Tensor, commit_lens: torch.Tensor) -> None:
         """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
-        predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
-        self._timer.stop((bs, budget), start)
+        predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus;
+        start: the step's start_step() mark (None: the step is not timed)."""
+        if start is not None:
+            self._timer.stop((bs, budget), start)
         self.steps[budget] += 1
         self._observed += 1
         if self._observed % self.stats_every and self._seen:
