@@ -103,11 +103,12 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
 
 # Whether top_log_probs may use the Triton logsumexp / the Triton top-k on CUDA;
 # check_logsumexp_kernel / check_topk_kernel turn them off for the process if the kernel fails
-# or disagrees on this GPU.  The Triton top-k (one program per row) served up to max_rows rows
-# ([batch x depth] positions): in the H200 profile of 2026-12-03 (run 3, Qwen3 vocabulary,
-# k = 15) it took 0.03 / 0.21 ms at 15 / 120 rows (batch 1 / 8; torch.topk + logsumexp 0.09 /
-# 0.25 in run 2) but 1.60 ms at 960 rows (batch 64; torch 1.06 + 0.14): PyTorch's radix top-k
-# wins there.  Between 120 and 960 rows it was not measured; 256 is the cut.
+# or disagrees on this GPU.  The Triton top-k (k repeated max passes over each 4,096-logit chunk,
+# work that grows with rows x k) serves up to max_rows rows ([batch x depth] positions): in the
+# H200 profile of 2026-12-03 (run 3, Qwen3 vocabulary, k = 15) it took 0.03 / 0.21 ms at 15 /
+# 120 rows (batch 1 / 8; torch.topk + logsumexp 0.09 / 0.25 in run 2) but 1.60 ms at 960 rows
+# (batch 64; torch 1.06 + 0.14): PyTorch's radix top-k wins there.  Between 120 and 960 rows it
+# was not measured; 256 is the cut.
 LSE_KERNEL = {"enabled": True}
 TOPK_KERNEL = {"enabled": True, "max_rows": 256}
 
