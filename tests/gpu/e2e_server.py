@@ -182,6 +182,9 @@ def main() -> None:
     }
     # Every arm's server starts at once (fixed KV pool, sleep on idle), so kernel compilation
     # and graph capture overlap; the arms are then checked one at a time.
+    unknown = sorted(set(args.arms.split(",")) - set(specs))
+    if unknown:
+        ap.error(f"--arms: unknown arm(s) {', '.join(unknown)}; accepted: {', '.join(specs)}")
     servers = []
     for name in args.arms.split(","):
         spec = specs[name]
