@@ -28,11 +28,9 @@ from ddtree_sglang.tree import (DraftTree, build_draft_tree, check_logsumexp_ker
                                 check_topk_kernel)
 
 __all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_accept_kernel", "check_builder",
-           "commit_slots",
-           "fused_accept_stage",
-           "check_kv_move_kernel", "check_logsumexp_kernel", "check_topk_kernel", "kv_moves",
-           "move_rows", "penalise_nodes", "select_builder", "tree_stage", "truncate_layout", "unpack_tree_stage",
-           "verify_mask"]
+           "check_kv_move_kernel", "check_logsumexp_kernel", "check_topk_kernel", "commit_slots",
+           "fused_accept_stage", "kv_moves", "move_rows", "penalise_nodes", "select_builder",
+           "tree_stage", "truncate_layout", "unpack_tree_stage", "verify_mask"]
 
 Builder = Callable[[torch.Tensor, int], DraftTree]
 
