@@ -342,3 +342,19 @@ def test_cell_minimums():
     assert serve_bench.cell_done(cfg(min_cell_seconds=30), 31.0, 8)
     assert serve_bench.cell_done(cfg(min_cell_seconds=30, min_cell_requests=256), 5.0, 256)
     assert not serve_bench.cell_done(cfg(min_cell_requests=256), 100.0, 255)
+
+
+def test_repeated_cost_cells_report_median_and_spread():
+    from ddtree_sglang.bench.client import RequestResult
+    from ddtree_sglang.bench.cost_mode import repeated_step_ms
+
+    def level(ms_per_step: float) -> list[RequestResult]:  # 10 decode steps after the first token
+        return [RequestResult(0, 0, output_ids=list(range(11)), ttft=0.0, latency=ms_per_step / 100)]
+
+    once = repeated_step_ms([level(8.0)])
+    assert once == {"step_ms": 8.0}
+    three = repeated_step_ms([level(9.0), level(8.0), level(10.0)])
+    assert three == {"step_ms": 9.0, "runs_ms": [9.0, 8.0, 10.0], "spread": 0.222}
+    failed = [RequestResult(0, 0, error="boom")]
+    assert repeated_step_ms([failed, level(8.0)])["step_ms"] == 8.0
+    assert repeated_step_ms([failed]) == {"step_ms": None}

@@ -82,6 +82,9 @@ class CostMode(_Strict):
                                     "(long enough that the batch stays full)")
     split_attention_budgets: list[int] = Field([], description="budgets also measured with the "
                                                "split verify attention (arm ddtree-b<B>-split)")
+    repeats: int = Field(1, ge=1, description="measure each (arm, batch) cell this many times; "
+                         "the table shows the median and every run (one cell moved 8.5% between "
+                         "two device calls, more than the 3% the overhead goal asks about)")
 
     @field_validator("batch_sizes", "budgets", "profile_batches", "split_attention_budgets")
     @classmethod

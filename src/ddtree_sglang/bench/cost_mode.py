@@ -95,6 +95,19 @@ def step_time_ms(results) -> float | None:
     return round(vals[len(vals) // 2], 3) if vals else None
 
 
+def repeated_step_ms(runs: list) -> dict:
+    """A cell measured once or more: its median step time, and with repeats every run's time
+    and their spread ((max - min) / median), so a reader sees how far one cell can move."""
+    times = [step_time_ms(res) for res in runs]
+    known = sorted(t for t in times if t is not None)
+    if not known:
+        return dict(step_ms=None)
+    median = known[len(known) // 2]
+    if len(runs) == 1:
+        return dict(step_ms=median)
+    return dict(step_ms=median, runs_ms=times, spread=round((known[-1] - known[0]) / median, 3))
+
+
 def needed_gain(rows: list[dict]) -> dict[tuple[str, int], float]:
     """(DDTREE arm, batch) -> DDTREE step / DFLASH step: the factor by which the tree's accept
     length must exceed the chain's for DDTREE to be faster (the paper's mean gain: 8.71/6.00)."""
@@ -130,6 +143,9 @@ def markdown(results: dict) -> str:
              "attention, CUDA graphs, prompt 512 tokens, 128 new tokens). Acceptance is NOT "
              "measured here (random weights accept ~nothing).", ""]
     lines += table("## Decode step time (ms)", arms, get("step_ms"))
+    if any("spread" in r for r in rows):
+        lines += table("## Spread of the repeated step-time measurements ((max - min) / median)",
+                       arms, get("spread"))
     lines += table("## Break-even accept length (arm step / no-spec step): below it the arm is "
                    "slower than no speculation", arms[1:], get("break_even_tau"))
     lines += table("## Accept-length gain over the DFLASH chain that DDTREE needs to be faster "

@@ -234,10 +234,10 @@ def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | N
             url = [servers[0].url]
             client.run_level(url, prompts, params, 2, 2)
             for bs in cm.batch_sizes:
-                res, wall = client.run_level(url, prompts, params, bs, bs)
+                runs = [client.run_level(url, prompts, params, bs, bs)[0] for _ in range(cm.repeats)]
                 row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget,
-                           batch_size=bs, step_ms=cost_mode.step_time_ms(res),
-                           errors=sum(r.error is not None for r in res))
+                           batch_size=bs, **cost_mode.repeated_step_ms(runs),
+                           errors=sum(r.error is not None for res in runs for r in res))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for bs in cm.profile_batches:
