@@ -97,3 +97,12 @@ def test_exploration_measures_every_candidate():
     picks = [ab.choose(8) for _ in range(12)]
     assert picks[3] == 7 and picks[7] == 7  # never chosen on merit, so the least measured
     assert [p for i, p in enumerate(picks) if i % 4 != 3] == [32] * 9
+
+
+def test_exploration_can_be_turned_off():
+    runtimes = {b + 1: (None, None) for b in BUDGETS}
+    ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}),
+                        "cpu", stats_every=1, explore_every=0)
+    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.5, 1.0, 3.0]),
+               torch.full((8,), 4, dtype=torch.int32))
+    assert [ab.choose(8) for _ in range(40)] == [32] * 40

@@ -168,7 +168,7 @@ def test_candidate_budgets_end_with_the_maximum():
 
 def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
     costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, window=3,
-                          min_samples=3)
+                          min_samples=3, skip_first=0)
     assert costs.row(5, [7, 32]).tolist() == [10.0, 20.0]
     costs.observe(5, 32, 26.0)  # a step at batch row 8 took 6 ms more than its verify
     assert costs.row(8, [7, 32]).tolist() == [16.0, 26.0]
@@ -176,7 +176,10 @@ def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
     assert costs.row(8, [7, 32]).tolist() == [14.0, 24.0]
     costs.observe(8, 7, 90.0)   # a one-time spike (80 ms more) does not move the median
     assert costs.rest_ms[8] == 6.0
-    assert costs.row(64, [7, 32]).tolist() == [30.0, 90.0]  # other rows unchanged
+    # a row without live steps borrows the nearest row's remainder
+    assert costs.row(64, [7, 32]).tolist() == [36.0, 96.0]
+    costs.observe(64, 7, 31.0)
+    assert costs.row(64, [7, 32]).tolist() == [31.0, 91.0]  # then learns its own
     costs.observe(8, 15, 99.0)  # a budget without a verify time teaches nothing
     assert costs.rest_ms[8] == 6.0
 
@@ -184,7 +187,7 @@ def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
 def test_live_cells_replace_the_model_once_sampled():
     """A cell measured min_samples times costs what it measured (its median), whatever the
     startup table said: real contexts make wide verifies dearer than the capture-time table."""
-    costs = LiveStepCosts({8: {7: 10.0, 32: 11.0}}, window=5, min_samples=3)
+    costs = LiveStepCosts({8: {7: 10.0, 32: 11.0}}, window=5, min_samples=3, skip_first=0)
     for ms in (30.0, 31.0, 29.0):  # B = 32 really costs ~30 ms; its table said 11
         costs.observe(8, 32, ms)
     rest = costs.rest_ms[8]  # 19: charged to B = 7 too, which has no live steps yet
@@ -196,3 +199,17 @@ def test_live_cells_replace_the_model_once_sampled():
     assert costs.row(8, [7, 32]).tolist() == [15.0, 30.0]
     with pytest.raises(ValueError, match="min_samples"):
         LiveStepCosts({8: {7: 1.0}}, window=2, min_samples=3)
+    with pytest.raises(ValueError, match="skip_first"):
+        LiveStepCosts({8: {7: 1.0}}, skip_first=-1)
+
+
+def test_first_live_step_of_each_cell_is_not_counted():
+    """The H200 e2e run 5 timed one first step at 106,872 ms (host work while other servers
+    started); counted, it made that batch size's remainder absurd until 15 more steps came."""
+    costs = LiveStepCosts({24: {15: 0.125, 32: 0.25}}, window=15, min_samples=1)
+    costs.observe(24, 15, 106_872.0)
+    assert costs.rest_ms == {} and costs.row(24, [15, 32]).tolist() == [0.125, 0.25]
+    costs.observe(24, 15, 8.125)
+    assert costs.row(24, [15, 32]).tolist() == [8.125, 8.25]
+    costs.observe(24, 32, 500.0)  # the first step of each cell, not only of each row
+    assert costs.row(24, [15, 32]).tolist() == [8.125, 8.25]

@@ -154,7 +154,7 @@ def test_environment_knobs_are_checked(monkeypatch):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1")
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "fast")
-    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: single, split"):
+    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: split, single"):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "split")
     monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,40")  # B = 32 here
@@ -162,6 +162,30 @@ def test_environment_knobs_are_checked(monkeypatch):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,15")
     validate(SimpleNamespace(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "1")
+    with pytest.raises(DDTreeConfigError, match=r"EXPLORE_EVERY='1'.*integer >= 2.*or 0"):
+        validate(SimpleNamespace(**base))
+
+
+def test_exploration_period_from_the_environment(monkeypatch):
+    from ddtree_sglang.sglang_plugin.server_args import (DDTreeConfigError, check_env,
+                                                         explore_every_setting,
+                                                         parse_explore_every)
+
+    assert explore_every_setting() == 32  # the default
+    assert parse_explore_every(" 2 ") == 2 and parse_explore_every("0") == 0
+    for bad in ("1", "-4", "often", ""):
+        with pytest.raises(DDTreeConfigError, match="accepted: an integer >= 2"):
+            parse_explore_every(bad)
+    check_env("SGLANG_DDTREE_EXPLORE_EVERY", "8")  # a benchmark arm's env
+    monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "8")
+    assert explore_every_setting() == 8
+
+
+def test_split_verify_attention_is_the_default():
+    from ddtree_sglang.sglang_plugin.server_args import env_setting
+
+    assert env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == "split"
 
 
 def test_budget_candidates_from_the_environment():

@@ -160,27 +160,34 @@ class LiveStepCosts(StepCosts):
     `min_samples` live steps costs the median of its last `window` ones: real contexts and every
     launch included.  Any other cell costs its startup verify time plus the row's remainder (the
     median over the row's steps of step time minus verify time: drafting, tree, acceptance, host
-    gaps), so budgets not chosen yet stay comparable.  Medians, because the first steps of a
-    batch size pay one-time work (an H200 run showed 17-81 ms where steady steps take a few).
+    gaps), so budgets not chosen yet stay comparable; a row without live steps yet takes the
+    remainder of the nearest batch size that has one.  The first `skip_first` live steps of
+    each cell are not counted and the rest enter medians, because first steps pay one-time work
+    (H200 runs showed 17-81 ms where steady steps take a few, and once 107 s: a step that
+    waited on host work while six other servers were starting).
     The startup verify times come from the graphs' capture-time (short) contexts, so only live
     cells see how attention grows with the context; `least_sampled` tells an engine which
     budget to try now and then (AdaptiveBudget explores)."""
 
     def __init__(self, table: dict[int, dict[int, float]], window: int = 15,
-                 min_samples: int = 3) -> None:
+                 min_samples: int = 3, skip_first: int = 1) -> None:
         super().__init__(table)
-        if window < 1 or not 1 <= min_samples <= window:
-            raise ValueError(f"need window >= 1 and 1 <= min_samples <= window; got {window}, "
-                             f"{min_samples}")
-        self.window, self.min_samples = window, min_samples
+        if window < 1 or not 1 <= min_samples <= window or skip_first < 0:
+            raise ValueError(f"need window >= 1, 1 <= min_samples <= window and skip_first >= 0;"
+                             f" got {window}, {min_samples}, {skip_first}")
+        self.window, self.min_samples, self.skip_first = window, min_samples, skip_first
         self._rest: dict[int, deque] = {}
         self._cells: dict[tuple[int, int], deque] = {}
+        self._seen: dict[tuple[int, int], int] = {}
         self.rest_ms: dict[int, float] = {}
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
         key = self.batch_row(batch_size)
         verify = self.table[key].get(budget)
         if verify is None or not step_ms > 0:
+            return
+        seen = self._seen[(key, budget)] = self._seen.get((key, budget), 0) + 1
+        if seen <= self.skip_first:
             return
         rest = self._rest.setdefault(key, deque(maxlen=self.window))
         rest.append(max(step_ms - verify, 0.0))
@@ -189,10 +196,18 @@ class LiveStepCosts(StepCosts):
 
     def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
         key = self.batch_row(batch_size)
-        modelled = super().row(batch_size, budgets) + self.rest_ms.get(key, 0.0)
+        modelled = super().row(batch_size, budgets) + self._rest_of(key)
         live = [self._cells.get((key, b), ()) for b in budgets]
         return torch.tensor([statistics.median(c) if len(c) >= self.min_samples else float(m)
                              for c, m in zip(live, modelled.tolist())])
+
+    def _rest_of(self, key: int) -> float:
+        """The remainder of batch row `key`, else of the nearest row with one (0 before any)."""
+        if key in self.rest_ms:
+            return self.rest_ms[key]
+        if not self.rest_ms:
+            return 0.0
+        return self.rest_ms[min(self.rest_ms, key=lambda k: (abs(k - key), k))]
 
     def least_sampled(self, batch_size: int, budgets: list[int]) -> int:
         """The measured budget of this batch row with the fewest live steps (the smallest on

@@ -171,12 +171,16 @@ def main() -> None:
                                    env={"SGLANG_DDTREE_BUDGETS": "off"}),
         # a chain-sized maximum: the batch-aware choice between 7 and 15 (a tree narrower
         # than the draft block: the draft KV and the commit use the padded front slots)
-        "ddtree_b15auto": ServerSpec(target, "ddtree_b15auto", "DDTREE", drafter, 16),
+        # (exploring every 2nd step per batch size, so that B = 7 surely verifies some steps)
+        "ddtree_b15auto": ServerSpec(target, "ddtree_b15auto", "DDTREE", drafter, 16,
+                                     env={"SGLANG_DDTREE_EXPLORE_EVERY": "2"}),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
-        # the split verify attention (prefix without mask + tree with it, merged by LSE)
-        "ddtree_split": ServerSpec(target, "ddtree_split", "DDTREE", drafter, args.budget + 1,
-                                   env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}),
+        # the split verify attention (prefix without mask + tree with it, merged by LSE) is the
+        # default from 32 requests a verify (use --prompts 32 to reach it); this arm keeps the
+        # single masked call everywhere
+        "ddtree_single": ServerSpec(target, "ddtree_single", "DDTREE", drafter, args.budget + 1,
+                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
     }

@@ -121,8 +121,8 @@ class AdaptiveBudget:
                  costs: LiveStepCosts, device, decay: float = 0.9, stats_every: int = 4,
                  explore_every: int = 32) -> None:
         self.budgets = list(budgets)
-        # One step in explore_every of a batch size verifies its least-measured budget, so
-        # every candidate's live cost is known (lossless either way; at most that share of
+        # One step in explore_every (0: none) of a batch size verifies its least-measured
+        # budget, so every candidate's live cost is known (lossless either way; at most that share of
         # steps runs a budget the model does not prefer).
         self.explore_every = explore_every
         self._row_steps: dict[int, int] = {}
@@ -150,7 +150,7 @@ class AdaptiveBudget:
             return self.budgets[-1]
         row = self.costs.batch_row(bs)
         self._row_steps[row] = self._row_steps.get(row, 0) + 1
-        if self._row_steps[row] % self.explore_every == 0:
+        if self.explore_every and self._row_steps[row] % self.explore_every == 0:
             return self.costs.least_sampled(bs, self.budgets)
         rates_index = int(choose_budget(bs, expected * bs, self.costs.row(bs, self.budgets)))
         budget = self.budgets[rates_index]
@@ -204,7 +204,7 @@ def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | Non
 
 
 def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepare_backend=None,
-                          log: bool = True) -> AdaptiveBudget | None:
+                          log: bool = True, explore_every: int = 32) -> AdaptiveBudget | None:
     """A target verify (attention backend + CUDA graphs) per candidate width of the target's
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
     budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""
@@ -235,4 +235,5 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
                     len(budgets) - 1, free_before - torch.cuda.mem_get_info()[0] / 2**30,
                     {bs: {b: round(ms, 2) for b, ms in row.items()}
                      for bs, row in costs.table.items()})
-    return AdaptiveBudget(budgets, depth, runtimes, costs, device)
+    return AdaptiveBudget(budgets, depth, runtimes, costs, device,
+                          explore_every=explore_every)

@@ -43,9 +43,10 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
 
 ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton"),
-               # verify attention with the triton backend: one masked kernel call (single) or
-               # prefix + tree partial attentions merged by LSE (split; verify_attention.py)
-               "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split")}
+               # verify attention with the triton backend: prefix + tree partial attentions
+               # merged by LSE for verifies of >= 32 requests (split, the default;
+               # verify_attention.py), or always one masked kernel call (single)
+               "SGLANG_DDTREE_VERIFY_ATTENTION": ("split", "single")}
 
 
 # The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):
@@ -82,15 +83,43 @@ def budgets_setting(max_budget: int) -> list[int]:
     return parse_budgets(os.environ.get(BUDGETS_ENV, "auto"), max_budget)
 
 
+# One decode step in N per batch size verifies the batch-aware budget's least-measured
+# candidate, so that every candidate's live cost gets measured (0: never).
+EXPLORE_ENV = "SGLANG_DDTREE_EXPLORE_EVERY"
+DEFAULT_EXPLORE_EVERY = 32
+
+
+def parse_explore_every(value: str) -> int:
+    """SGLANG_DDTREE_EXPLORE_EVERY -> N (0 = no exploration)."""
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = -1
+    if n != 0 and n < 2:
+        raise DDTreeConfigError(f"{EXPLORE_ENV}={value!r} is not accepted; accepted: an integer "
+                                f">= 2 (one step in N per batch size tries the least-measured "
+                                f"budget; default {DEFAULT_EXPLORE_EVERY}) or 0 (never)")
+    return n
+
+
+def explore_every_setting() -> int:
+    import os
+
+    return parse_explore_every(os.environ.get(EXPLORE_ENV, str(DEFAULT_EXPLORE_EVERY)))
+
+
 def check_env(name: str, value: str) -> None:
     """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
     DDTREE environment setting (the server's knobs and the benchmark arms' env use this)."""
     if name == BUDGETS_ENV:
         parse_budgets(value, MAX_BUDGET)  # the range against B is checked by validate()
         return
+    if name == EXPLORE_ENV:
+        parse_explore_every(value)
+        return
     if name not in ENV_CHOICES:
         raise DDTreeConfigError(f"unknown env {name!r}; accepted: "
-                                f"{', '.join(sorted([*ENV_CHOICES, BUDGETS_ENV]))}")
+                                f"{', '.join(sorted([*ENV_CHOICES, BUDGETS_ENV, EXPLORE_ENV]))}")
     if value not in ENV_CHOICES[name]:
         raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
                                 f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
@@ -260,6 +289,10 @@ def validate(args: Any) -> None:
             env_setting(name)
         except DDTreeConfigError as exc:
             errors.append(str(exc))
+    try:
+        explore_every_setting()
+    except DDTreeConfigError as exc:
+        errors.append(str(exc))
     page = _get(args, "page_size")
     if page not in (None, 1):
         errors.append(f"DDTREE supports --page-size 1 only for now; got {page} "

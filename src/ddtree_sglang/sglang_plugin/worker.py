@@ -20,6 +20,7 @@ to the host.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -36,8 +37,10 @@ from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.server_args import budgets_setting, env_setting
-from ddtree_sglang.sglang_plugin.verify_attention import check_split_attention, split_attention
+from ddtree_sglang.sglang_plugin.server_args import (budgets_setting, env_setting,
+                                                     explore_every_setting)
+from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, check_split_attention,
+                                                          split_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +162,13 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self._split_attention = why is None
         if self.ps.tp_rank == 0:
             if why is None:
-                logger.info("DDTREE verify attention: split (mask-free prefix + masked tree, "
-                            "merged by log-sum-exp)")
-            else:
-                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
+                logger.info("DDTREE verify attention: split from %d requests a verify "
+                            "(mask-free prefix + masked tree, merged by log-sum-exp)",
+                            SPLIT_MIN_REQUESTS)
+            else:  # a warning only where the user asked for the split by name
+                asked = "SGLANG_DDTREE_VERIFY_ATTENTION" in os.environ
+                (logger.warning if asked else logger.info)(
+                    "DDTREE: verify attention stays a single masked call (%s)", why)
 
     def _install_split_attention(self, backend) -> str | None:
         """The split verify attention on one target attention backend; why not, or None."""
@@ -191,7 +197,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
 
         return build_adaptive_budget(self.target_worker.model_runner, self.budgets, self.depth,
                                      self.device, split if self._split_attention else None,
-                                     log=self.ps.tp_rank == 0)
+                                     log=self.ps.tp_rank == 0,
+                                     explore_every=explore_every_setting())
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size
