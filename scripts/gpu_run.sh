@@ -22,7 +22,7 @@ case "${1:-}" in
   tree)  timeout "$LIMIT" python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
              --batches 1,8,32,64 --budgets 16,32,64 --iters 100 --heap-reps 2 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
-             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_fixed,ddtree_single,ddtree_flashinfer,dflash_triton,plain_triton}
+             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_fixed,ddtree_split,ddtree_flashinfer,dflash_triton,plain_triton}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
   rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;

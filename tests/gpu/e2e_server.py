@@ -176,11 +176,10 @@ def main() -> None:
                                      env={"SGLANG_DDTREE_EXPLORE_EVERY": "2"}),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
-        # the split verify attention (prefix without mask + tree with it, merged by LSE) is the
-        # default from 32 requests a verify (use --prompts 32 to reach it); this arm keeps the
-        # single masked call everywhere
-        "ddtree_single": ServerSpec(target, "ddtree_single", "DDTREE", drafter, args.budget + 1,
-                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
+        # the split verify attention (prefix without mask + tree with it, merged by LSE), used
+        # from 32 requests a verify: --prompts 32 makes the greedy check reach it
+        "ddtree_split": ServerSpec(target, "ddtree_split", "DDTREE", drafter, args.budget + 1,
+                                   env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
     }

@@ -20,7 +20,6 @@ to the host.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -165,10 +164,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                 logger.info("DDTREE verify attention: split from %d requests a verify "
                             "(mask-free prefix + masked tree, merged by log-sum-exp)",
                             SPLIT_MIN_REQUESTS)
-            else:  # a warning only where the user asked for the split by name
-                asked = "SGLANG_DDTREE_VERIFY_ATTENTION" in os.environ
-                (logger.warning if asked else logger.info)(
-                    "DDTREE: verify attention stays a single masked call (%s)", why)
+            else:
+                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
 
     def _install_split_attention(self, backend) -> str | None:
         """The split verify attention on one target attention backend; why not, or None."""
