@@ -10,9 +10,14 @@ kernel both verifies call on Hopper — outside the server, with identical prefi
     tree-17   : 17 query tokens, a random tree mask         (DDTREE, B = 16)
     split-16/17: the tree verifies as DDTREE's split attention computes them
                 (sglang_plugin/verify_attention.py: mask-free prefix + masked tree, merged)
+    kernel-16/17: the tree verifies by DDTREE's two-launch kernel (kernels/tree_attention.py:
+                split-KV prefix + masked tree in one online softmax)
 
 and checks that mask-16 gives the same output as chain-16 (the mask is laid out the way the
-backend reads it) and that the split gives the single masked call's output.  GPU only; needs SGLang's kernels (source scripts/device_env.sh).
+backend reads it) and that the split and the kernel give the single masked call's output.
+Each variant is timed as a CUDA graph replay of one call (as the server runs it: no Python or
+launch overhead in the figure), x the layer count.  GPU only; needs SGLang's kernels (source
+scripts/device_env.sh).
 
     python benchmarks/verify_attention.py --out verify_attention.json
 """
@@ -30,13 +35,21 @@ from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list,
 
 
 def time_ms(fwd, c: dict, iters: int) -> float:
-    for _ in range(5):
+    """Median time of one call, replayed from a CUDA graph (the server graphs its verifies)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the capture
+            fwd(**c)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fwd(**c)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fwd(**c)
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -58,9 +71,10 @@ def main() -> None:
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd as fwd
     from sglang.kernels.ops.attention.merge_state import merge_state_triton
 
-    from ddtree_sglang.sglang_plugin.verify_attention import split_attention, verify_case
+    from ddtree_sglang.sglang_plugin.verify_attention import VARIANTS, verify_case
 
-    split = split_attention(fwd, merge_state_triton, inspect.signature(fwd), min_requests=1)
+    wrapped = {name: make(fwd, merge_state_triton, inspect.signature(fwd), min_requests=1)
+               for name, make in VARIANTS.items()}  # split, kernel
 
     dev = "cuda"
     chain = torch.tril(torch.ones(16, 16, dtype=torch.bool))
@@ -81,21 +95,24 @@ def main() -> None:
                 row[name] = time_ms(fwd, c, args.iters) * args.layers
             for name in ("tree-16", "tree-17"):
                 c = cases[name]
-                fwd(**c)
-                single = c["o_extend"].float().clone()
-                row["split" + name[4:]] = time_ms(split, c, args.iters) * args.layers
-                diff = (c["o_extend"].float() - single).abs().max()
-                row[f"split{name[4:]}_max_diff"] = float(diff)
+                for variant, call in wrapped.items():
+                    fwd(**c)
+                    single = c["o_extend"].float().clone()
+                    row[variant + name[4:]] = time_ms(call, c, args.iters) * args.layers
+                    diff = (c["o_extend"].float() - single).abs().max()
+                    row[f"{variant}{name[4:]}_max_diff"] = float(diff)
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=1) + "\n")
-    names = ["chain-16", "mask-16", "tree-16", "tree-17", "split-16", "split-17"]
+    names = ["chain-16", "mask-16", "tree-16", "tree-17", "split-16", "split-17", "kernel-16",
+             "kernel-17"]
     print(f"\nper-step ms (one call x {args.layers} layers)")
     print(f"{'batch':>5} {'prefix':>6} " + " ".join(f"{n:>9}" for n in names)
-          + " | mask ok, split max diff")
+          + " | mask ok, split / kernel max diff")
     for r in rows:
         print(f"{r['batch']:>5} {r['prefix']:>6} " + " ".join(f"{r[n]:9.3f}" for n in names)
-              + f" | {r['chain_equals_mask']}, {r['split-17_max_diff']:.2g}")
+              + f" | {r['chain_equals_mask']}, {r['split-17_max_diff']:.2g} / "
+              f"{r['kernel-17_max_diff']:.2g}")
 
 
 if __name__ == "__main__":

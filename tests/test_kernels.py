@@ -16,6 +16,8 @@ import pytest
     ("topk_interpret_check.py", "TOPK OK"),            # chunked top-k + logsumexp vs torch
     # split tree-verify attention (SGLang's kernels) vs the single call and a float32 reference
     ("verify_attention_interpret_check.py", "VERIFY ATTENTION OK"),
+    # two-launch tree-verify attention vs its float32 reference and SGLang's masked kernel
+    ("tree_attention_interpret_check.py", "TREE ATTENTION OK"),
 ])
 def test_kernel_matches_its_reference(script, marker):
     pytest.importorskip("triton")

@@ -154,7 +154,7 @@ def test_environment_knobs_are_checked(monkeypatch):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1")
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "fast")
-    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: single, split"):
+    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: single, split, kernel"):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "split")
     monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,40")  # B = 32 here
@@ -359,8 +359,33 @@ def test_split_verify_attention_only_where_it_is_exact(change, split):
     assert splittable({**base, **change}) is split
 
 
+@pytest.mark.parametrize("change, computes", [
+    ({}, True),
+    ({"custom_mask": None}, False),                 # not a tree verify
+    ({"logit_cap": 30.0}, False),                   # a capped score: SGLang's kernel only
+    ({"xai_temperature_len": 8}, False),
+    ({"page_size": 16}, False),
+    ({"k_scale": 0.5}, False),                      # an fp8 KV scale
+    ({"v_scale": 2.0}, False),
+    ({"aux_tensors": object()}, False),
+])
+def test_tree_attention_kernel_only_where_it_computes_what_sglang_would(change, computes):
+    import torch
+
+    from ddtree_sglang.sglang_plugin.verify_attention import kernel_computes
+
+    base = dict(custom_mask=object(), lse_extend=None, skip_prefix=False, skip_extend=False,
+                skip_prefix_custom_mask=True, sinks=None, score_mod=None,
+                window_kv_offsets=None, sliding_window_size=-1, logit_cap=0.0,
+                xai_temperature_len=-1, page_size=1, aux_tensors=None, k_scale=1.0,
+                v_scale=1.0, q_extend=torch.zeros(1, dtype=torch.bfloat16),
+                k_buffer=torch.zeros(1, dtype=torch.bfloat16))
+    assert kernel_computes({**base, **change}) is computes
+    assert not kernel_computes({**base, "k_buffer": torch.zeros(1, dtype=torch.float8_e4m3fn)})
+
+
 def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
-    """internals.split_verify_attention swaps the target triton backend's extend kernel for the
+    """internals.wrap_verify_attention swaps the target triton backend's extend kernel for the
     wrapped one only if the check accepts it; other backends keep theirs, with the reason."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
@@ -377,9 +402,9 @@ def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
         seen.append((fn, merge, tuple(signature.parameters)[:2]))
         return lambda *a, **k: "split"
 
-    why = internals.split_verify_attention(backend, lambda *a: "differs by 0.5", wrap)
+    why = internals.wrap_verify_attention(backend, lambda *a: "differs by 0.5", wrap)
     assert why == "differs by 0.5" and backend.extend_attention_fwd is single and not seen
-    assert internals.split_verify_attention(backend, lambda *a: None, wrap) is None
+    assert internals.wrap_verify_attention(backend, lambda *a: None, wrap) is None
     assert backend.extend_attention_fwd() == "split"
     assert seen[0][0] is single and seen[0][2] == ("q_extend", "k_extend")
     assert seen[0][1] is internals.resolve(internals.NAMES["merge_state_triton"])
@@ -387,5 +412,5 @@ def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
     class Other:
         extend_attention_fwd = single
 
-    why = internals.split_verify_attention(Other(), lambda *a: None, wrap)
+    why = internals.wrap_verify_attention(Other(), lambda *a: None, wrap)
     assert "Other, not triton" in why

@@ -7,7 +7,7 @@ import inspect
 import torch
 
 from ddtree_sglang.sglang_plugin import internals
-from ddtree_sglang.sglang_plugin.verify_attention import (check_split_attention,
+from ddtree_sglang.sglang_plugin.verify_attention import (check_verify_attention,
                                                           reference_attention, split_attention,
                                                           verify_case)
 
@@ -17,7 +17,7 @@ def main() -> None:
     merge = internals.resolve(internals.NAMES["merge_state_triton"])
     signature = inspect.signature(single)
     # the worker's startup check, in float32 on the CPU
-    assert check_split_attention(single, merge, signature, "cpu", torch.float32) is None
+    assert check_verify_attention(single, merge, signature, "cpu", torch.float32) is None
     split = split_attention(single, merge, signature, min_requests=1)
     cases = 0
     for bs, n, prefix in [(1, 5, 3), (2, 17, 9), (3, 8, 1)]:

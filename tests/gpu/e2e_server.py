@@ -114,7 +114,8 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
         res["ddtree_fallbacks"] = [line.split("DDTREE: ", 1)[1][:160]
                                    for line in full.splitlines()
                                    if "DDTREE: " in line and ("not used" in line or "stays" in line)]
-        res["split_attention"] = "DDTREE verify attention: split" in full
+        res["verify_attention"] = next((v for v in ("split", "kernel")
+                                        if f"DDTREE verify attention: {v}" in full), "single")
         res["budget_log"] = [line.split("DDTREE ", 1)[1][:300] for line in full.splitlines()
                              if "DDTREE batch-aware budget" in line
                              or "DDTREE budget: batch size" in line][:12]
@@ -180,6 +181,9 @@ def main() -> None:
         # from 32 requests a verify: --prompts 32 makes the greedy check reach it
         "ddtree_split": ServerSpec(target, "ddtree_split", "DDTREE", drafter, args.budget + 1,
                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}),
+        # the two-launch tree-attention kernel (kernels/tree_attention.py) for every verify
+        "ddtree_kernel": ServerSpec(target, "ddtree_kernel", "DDTREE", drafter, args.budget + 1,
+                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
     }

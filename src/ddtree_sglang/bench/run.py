@@ -207,9 +207,11 @@ def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, c
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
     return [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
         Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets] + [
-        Arm(name=f"ddtree-b{b}-split", algorithm="DDTREE", budget=b,
-            env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})
-        for b in cfg.cost_mode.split_attention_budgets]
+        Arm(name=f"ddtree-b{b}-{variant}", algorithm="DDTREE", budget=b,
+            env={"SGLANG_DDTREE_VERIFY_ATTENTION": variant})
+        for variant, budgets in (("split", cfg.cost_mode.split_attention_budgets),
+                                 ("kernel", cfg.cost_mode.kernel_attention_budgets))
+        for b in budgets]
 
 
 def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None,

@@ -93,13 +93,16 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.FULL": (),
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.NULL": (),
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.DFLASH": (),
-    # the split tree-verify attention (verify_attention.py): the Triton backend's extend kernel,
-    # held as an instance attribute, and the LSE merge SGLang uses for context parallelism
+    # the split / kernel tree-verify attention (verify_attention.py): the Triton backend's
+    # extend kernel, held as an instance attribute (every argument the wrappers read by name),
+    # and the LSE merge SGLang uses for context parallelism
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend": (),
     "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd":
-        ("q_extend", "o_extend", "custom_mask", "mask_indptr", "lse_extend", "skip_prefix",
-         "skip_extend", "skip_prefix_custom_mask", "sliding_window_size", "sinks",
-         "window_kv_offsets", "score_mod"),
+        ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr",
+         "kv_indptr", "kv_indices", "custom_mask", "mask_indptr", "max_len_extend", "k_scale",
+         "v_scale", "sm_scale", "logit_cap", "lse_extend", "skip_prefix", "skip_extend",
+         "skip_prefix_custom_mask", "sliding_window_size", "sinks", "window_kv_offsets",
+         "xai_temperature_len", "page_size", "score_mod", "aux_tensors"),
     "sglang.kernels.ops.attention.merge_state.merge_state_triton":
         ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output"),
     # the batch-aware budget (adaptive_budget.py): a target attention backend and verify-graph
@@ -308,10 +311,10 @@ def kv_move_buffers(allocator):
     return pool.data_ptrs, pool.data_strides, max_bytes
 
 
-def split_verify_attention(backend, check, wrap) -> str | None:
+def wrap_verify_attention(backend, check, wrap) -> str | None:
     """Replace the target Triton backend's extend kernel by `wrap(single, merge, signature)`
-    (the split tree-verify attention of verify_attention.py) if `check(single, merge,
-    signature)` accepts it on this GPU.  Returns why not (None when installed).  Must run
+    (a tree-verify attention of verify_attention.VARIANTS: split or kernel) if `check(single,
+    merge, signature)` accepts it on this GPU.  Returns why not (None when installed).  Must run
     before the target's CUDA graphs are captured: they record whichever function is called."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 

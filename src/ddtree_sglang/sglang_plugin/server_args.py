@@ -48,8 +48,10 @@ ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                # partial attentions merged by LSE (split; verify_attention.py).  The split is
                # faster in the server at batch 64 (cost run 5) but no served output of a
                # >= 32-request verify has been compared with plain SGLang yet: opt-in until
-               # `E2E_ARGS="--prompts 32" bash scripts/gpu_run.sh e2e` checks it.
-               "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split")}
+               # `E2E_ARGS="--prompts 32" bash scripts/gpu_run.sh e2e` checks it.  kernel: the
+               # two-launch tree-attention kernel (kernels/tree_attention.py) for every tree
+               # verify; CPU-checked only, not yet run on a GPU.
+               "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split", "kernel")}
 
 
 # The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):

@@ -77,6 +77,47 @@ def split_attention(single: Callable, merge: Callable, signature: inspect.Signat
     return attend
 
 
+def kernel_computes(args: dict) -> bool:
+    """Whether kernels/tree_attention.py computes a splittable call as SGLang's kernel would:
+    KV in the query's dtype at scale 1, no logit cap, no length temperature, pages of 1."""
+    def one(x) -> bool:
+        return x is None or (isinstance(x, (int, float)) and x == 1)
+
+    return (splittable(args) and args["k_buffer"].dtype == args["q_extend"].dtype
+            and not args.get("logit_cap") and (args.get("xai_temperature_len") or -1) <= 0
+            and args.get("page_size", 1) == 1 and args.get("aux_tensors") is None
+            and one(args.get("k_scale")) and one(args.get("v_scale")))
+
+
+def kernel_attention(single: Callable, merge: Callable, signature: inspect.Signature,
+                     min_requests: int = 1) -> Callable:
+    """An extend_attention_fwd with `single`'s signature that sends every tree verify
+    `kernel_computes` (of at least `min_requests` requests) to the two-launch tree-attention
+    kernel (kernels/tree_attention.py: split prefix + masked tree in one online softmax).
+    `merge` is unused: the kernel merges inside its second launch."""
+    from ddtree_sglang.kernels.tree_attention import tree_verify_attention
+
+    def attend(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        if not kernel_computes(call) or call["qo_indptr"].shape[0] - 1 < min_requests:
+            return single(*args, **kwargs)
+        q = call["q_extend"]
+        return tree_verify_attention(
+            q, call["k_extend"], call["v_extend"], call["o_extend"], call["k_buffer"],
+            call["v_buffer"], call["qo_indptr"], call["kv_indptr"], call["kv_indices"],
+            call["custom_mask"], call["mask_indptr"], int(call["max_len_extend"]),
+            call["sm_scale"] or q.shape[-1] ** -0.5)
+
+    attend.__wrapped__ = single
+    return attend
+
+
+# SGLANG_DDTREE_VERIFY_ATTENTION value -> the wrapper of SGLang's extend kernel it installs
+VARIANTS = {"split": split_attention, "kernel": kernel_attention}
+
+
 def random_tree_ancestors(n: int, gen: torch.Generator) -> torch.Tensor:
     """[n, n] bool, row i = node i's ancestors and itself, for a random tree rooted at 0."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
@@ -134,10 +175,12 @@ def reference_attention(args: dict, rows: torch.Tensor, bs: int, prefix: int) ->
     return out.reshape(bs * n, heads, -1)
 
 
-def check_split_attention(single: Callable, merge: Callable, signature: inspect.Signature,
-                          device, dtype=torch.bfloat16) -> str | None:
-    """Why the split cannot replace the single call on this device (None if it can): on a
-    random tree verify both must agree with each other and with the float32 reference."""
+def check_verify_attention(single: Callable, merge: Callable, signature: inspect.Signature,
+                           device, dtype=torch.bfloat16, make: Callable = split_attention
+                           ) -> str | None:
+    """Why `make(single, merge, signature)` (a VARIANTS wrapper) cannot replace the single call
+    on this device (None if it can): on a random tree verify both must agree with each other
+    and with the float32 reference."""
     try:
         bs, n, prefix = 3, 17, 40
         tol = 2e-2 if dtype != torch.float32 else 1e-4
@@ -146,7 +189,7 @@ def check_split_attention(single: Callable, merge: Callable, signature: inspect.
         expected = args["o_extend"].float().clone()
         reference = reference_attention(args, rows, bs, prefix)
         args["o_extend"].zero_()
-        split_attention(single, merge, signature, min_requests=1)(**args)
+        make(single, merge, signature, min_requests=1)(**args)
         got = args["o_extend"].float()
         if not (got - expected).abs().max() <= tol:
             return f"it differs from the single call by {(got - expected).abs().max():.3g}"

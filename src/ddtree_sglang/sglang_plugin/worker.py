@@ -38,8 +38,8 @@ from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_s
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import (budgets_setting, env_setting,
                                                      explore_every_setting)
-from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, check_split_attention,
-                                                          split_attention)
+from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
+                                                          check_verify_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
 
 
 class DDTreeWorker(internals.DFlashWorkerV2):
-    _split_attention = False  # set by init_attention_backends
+    _verify_attention = "single"  # set by init_attention_backends
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         internals.check_contract()
@@ -152,29 +152,35 @@ class DDTreeWorker(internals.DFlashWorkerV2):
 
     def init_attention_backends(self):
         """After SGLang made the target's attention backend (it runs first) and before any
-        graph is captured: the split tree-verify attention, if asked for and exact here."""
+        graph is captured: the split or kernel tree-verify attention, if asked for and exact
+        here."""
         super().init_attention_backends()
-        self._split_attention = env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == "split"
-        if not self._split_attention:
+        variant = env_setting("SGLANG_DDTREE_VERIFY_ATTENTION")
+        if variant == "single":
             return
-        why = self._install_split_attention(self.target_worker.model_runner.attn_backend)
-        self._split_attention = why is None
+        why = self._install_verify_attention(self.target_worker.model_runner.attn_backend,
+                                             variant)
+        self._verify_attention = variant if why is None else "single"
         if self.ps.tp_rank == 0:
-            if why is None:
+            if why is not None:
+                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
+            elif variant == "split":
                 logger.info("DDTREE verify attention: split from %d requests a verify "
                             "(mask-free prefix + masked tree, merged by log-sum-exp)",
                             SPLIT_MIN_REQUESTS)
             else:
-                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
+                logger.info("DDTREE verify attention: kernel (split-KV prefix + masked tree "
+                            "in one online softmax, kernels/tree_attention.py)")
 
-    def _install_split_attention(self, backend) -> str | None:
-        """The split verify attention on one target attention backend; why not, or None."""
+    def _install_verify_attention(self, backend, variant: str) -> str | None:
+        """A VARIANTS verify attention on one target attention backend; why not, or None."""
         head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
 
         def check(single, merge, signature):
-            return check_split_attention(single, merge, signature, self.device, head_dtype)
+            return check_verify_attention(single, merge, signature, self.device, head_dtype,
+                                          make=VARIANTS[variant])
 
-        return internals.split_verify_attention(backend, check, split_attention)
+        return internals.wrap_verify_attention(backend, check, VARIANTS[variant])
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
@@ -186,14 +192,16 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                 self.budgets = [self.budget]
 
     def _build_adaptive_budget(self) -> AdaptiveBudget | None:
-        def split(backend) -> None:  # the same check passed on the configured width's backend
-            why = self._install_split_attention(backend)
+        variant = self._verify_attention
+
+        def install(backend) -> None:  # the same check passed on the configured width's backend
+            why = self._install_verify_attention(backend, variant)
             if why is not None:
-                raise RuntimeError(f"split verify attention failed on a narrower verify's "
+                raise RuntimeError(f"{variant} verify attention failed on a narrower verify's "
                                    f"backend: {why}")
 
         return build_adaptive_budget(self.target_worker.model_runner, self.budgets, self.depth,
-                                     self.device, split if self._split_attention else None,
+                                     self.device, None if variant == "single" else install,
                                      log=self.ps.tp_rank == 0,
                                      explore_every=explore_every_setting())
 

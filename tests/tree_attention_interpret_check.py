@@ -1,0 +1,77 @@
+"""The two-launch tree-verify attention kernel (kernels/tree_attention.py) run by the Triton
+interpreter on the CPU (TRITON_INTERPRET=1 is set by test_kernels.py): equal to its float32
+reference for ragged prefixes (empty ones too), random trees, grouped heads, several row blocks
+and split counts; through the server's wrapper, equal to SGLang's own masked kernel; calls it
+cannot compute exactly go to SGLang's kernel untouched."""
+import inspect
+
+import torch
+
+from ddtree_sglang.kernels.tree_attention import reference_tree_attention, tree_verify_attention
+from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin.verify_attention import (check_verify_attention,
+                                                          kernel_attention, random_tree_ancestors)
+
+
+def ragged_case(prefixes: list[int], n: int, heads: int, kv_heads: int, dim: int,
+                seed: int = 0) -> dict:
+    """extend_attention_fwd arguments of a tree verify with one random tree and prefix length
+    per request; SGLang's flat mask layout ([n, prefix + n] per request)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, total = len(prefixes), sum(prefixes)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), random_tree_ancestors(n, gen)], 1)
+             for p in prefixes]
+    return dict(
+        q_extend=rnd(bs * n, heads, dim), k_extend=rnd(bs * n, kv_heads, dim),
+        v_extend=rnd(bs * n, kv_heads, dim), o_extend=torch.zeros(bs * n, heads, dim),
+        k_buffer=rnd(total + 7, kv_heads, dim), v_buffer=rnd(total + 7, kv_heads, dim),
+        qo_indptr=torch.arange(bs + 1) * n,
+        kv_indptr=torch.tensor([0] + prefixes).cumsum(0).to(torch.int32),
+        kv_indices=torch.randperm(total + 7, generator=gen)[:total],
+        custom_mask=torch.cat([m.reshape(-1) for m in masks]),
+        mask_indptr=torch.tensor([0] + [n * (p + n) for p in prefixes]).cumsum(0),
+        max_len_extend=n, sm_scale=dim ** -0.5)
+
+
+def main() -> None:
+    cases = 0
+    # (prefix lengths, tree size, heads, kv heads, head dim, prefix splits)
+    for prefixes, n, heads, kv_heads, dim, splits in [
+            ([3], 5, 4, 2, 16, None), ([40, 0, 129], 17, 8, 2, 32, None),
+            ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2)]:
+        args = ragged_case(prefixes, n, heads, kv_heads, dim, seed=cases)
+        tree_verify_attention(**args, splits=splits)
+        ref = reference_tree_attention(**{k: v for k, v in args.items()
+                                          if k not in ("o_extend", "max_len_extend")})
+        err = (args["o_extend"] - ref).abs().max()
+        assert err < 1e-4, (prefixes, n, float(err))
+        cases += 1
+    # the server's wrapper against SGLang's own masked kernel (the worker's startup check)
+    single = internals.resolve(internals.NAMES["extend_attention_fwd"])
+    merge = internals.resolve(internals.NAMES["merge_state_triton"])
+    signature = inspect.signature(single)
+    assert check_verify_attention(single, merge, signature, "cpu", torch.float32,
+                                  make=kernel_attention) is None
+    # calls the kernel cannot compute exactly reach SGLang's kernel with their arguments
+    calls = []
+
+    def recording(*a, **k):
+        calls.append(k)
+
+    args = ragged_case([4], 4, 2, 1, 16)
+    wrapped = kernel_attention(recording, merge, signature)
+    for change in ({"logit_cap": 30.0}, {"custom_mask": None}, {"k_scale": 0.5}):
+        wrapped(**{**args, "is_causal": True, "k_scale": 1.0, "v_scale": 1.0, **change})
+    assert len(calls) == 3 and calls[0]["logit_cap"] == 30.0 and calls[2]["k_scale"] == 0.5
+    kernel_attention(recording, merge, signature, min_requests=2)(
+        **{**args, "is_causal": True, "k_scale": 1.0, "v_scale": 1.0})
+    assert len(calls) == 4
+    print("TREE ATTENTION OK", cases)
+
+
+if __name__ == "__main__":
+    main()
