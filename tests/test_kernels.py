@@ -37,3 +37,39 @@ def test_kernel_refuses_unsupported_shapes():
     assert supported(64, 15) and not supported(65, 15) and not supported(32, 17)
     with pytest.raises(ValueError, match="budget 1..64"):
         build_draft_tree_triton(torch.randn(1, 15, 1000), 128)
+
+
+def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Triton AOT signature: named pointer types, fp32 sm_scale, i32 strides, constexprs."""
+    types = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name in pointers:
+            types[name] = pointers[name]
+        else:
+            types[name] = "fp32" if name == "sm_scale" else "i32"
+    return types
+
+
+@pytest.mark.parametrize("arch", [90, 120])  # H200 (Hopper) and RTX Pro 6000 (Blackwell)
+def test_tree_attention_compiles_for_the_gpus_we_serve_on(arch):
+    """Ahead-of-time compilation to a cubin (Triton's bundled ptxas, no GPU needed): the
+    kernels the interpreter checks also lower for real targets, in bf16 at Qwen3 shapes."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree_sglang.kernels import tree_attention as ta
+
+    bf16 = {n: "*bf16" for n in ("Q", "K_buf", "V_buf", "K_ext", "V_ext", "O")}
+    ints = {n: "*i64" for n in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_indices")}
+    pointers = {**bf16, **ints, "Mask": "*i1", "O_part": "*fp32", "L_part": "*fp32"}
+    target = GPUTarget("cuda", arch, 32)
+    for kernel, splits in [(ta._prefix_kernel, 1), (ta._prefix_kernel, 8),
+                           (ta._tree_merge_kernel, 8)]:
+        const = dict(GROUP=4, SPLITS=splits, HEAD_DIM=128, BLOCK_D=128, BM=ta.BLOCK_M,
+                     BN=ta.BLOCK_N)
+        source = ASTSource(kernel, _signature(kernel, pointers, const), constexprs=const)
+        compiled = triton.compile(source, target=target, options=dict(num_warps=4))
+        assert compiled.asm["cubin"], (kernel.__name__, splits)

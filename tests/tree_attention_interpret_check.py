@@ -1,4 +1,4 @@
-"""The two-launch tree-verify attention kernel (kernels/tree_attention.py) run by the Triton
+"""The tree-verify attention kernel (kernels/tree_attention.py) run by the Triton
 interpreter on the CPU (TRITON_INTERPRET=1 is set by test_kernels.py): equal to its float32
 reference for ragged prefixes (empty ones too), random trees, grouped heads, several row blocks
 and split counts; through the server's wrapper, equal to SGLang's own masked kernel; calls it
@@ -42,7 +42,9 @@ def main() -> None:
     # (prefix lengths, tree size, heads, kv heads, head dim, prefix splits)
     for prefixes, n, heads, kv_heads, dim, splits in [
             ([3], 5, 4, 2, 16, None), ([40, 0, 129], 17, 8, 2, 32, None),
-            ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2)]:
+            ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2),
+            # one split: the fused single launch (prefix and tree in one program)
+            ([40, 0, 129], 17, 8, 2, 32, 1), ([0, 3], 4, 2, 2, 16, 1)]:
         args = ragged_case(prefixes, n, heads, kv_heads, dim, seed=cases)
         tree_verify_attention(**args, splits=splits)
         ref = reference_tree_attention(**{k: v for k, v in args.items()

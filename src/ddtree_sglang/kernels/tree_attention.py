@@ -1,4 +1,4 @@
-"""Tree-verify attention in two Triton launches: the cached prefix split across programs
+"""Tree-verify attention in at most two Triton launches: the cached prefix split across programs
 (flash-decoding), then the tree block under its mask, merged in one online softmax.
 
 Why: SGLang's Triton extend kernel runs one program per (request, head, 64 queries) and walks
@@ -13,6 +13,8 @@ batch 8 (profile run 3), for a prefix that is read at a fraction of the memory b
   stage 2 (tree + merge): one program per (request, KV head, block of rows): merges the splits
     and continues the online softmax over the <= B + 1 tree tokens, reading the tree part of
     SGLang's own custom mask (the prefix part of it is never read).
+  When the batch alone gives enough programs (one split), stage 1 goes on with the tree itself
+  and writes the output: one launch, no partials.
 
 The arguments are SGLang's `extend_attention_fwd`'s, so the worker can install it where the
 split verify of verify_attention.py goes (`tree_verify_attention` below is a drop-in for the
@@ -32,11 +34,45 @@ TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: the split count aims at
 
 
 @triton.jit
-def _prefix_partial_kernel(Q, K_buf, V_buf, qo_indptr, kv_indptr, kv_indices, O_part, L_part,
-                           sm_scale, stride_qt, stride_qh, stride_kb, stride_kh,
-                           stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                           GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _softmax_step(s, v, m_i, l_i, acc):
+    """One online-softmax step: scores s [BM, BN] (-inf = not seen), values v [BN, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _attend_tree(q, m_i, l_i, acc, K_ext, V_ext, Mask, q_start, n_q, prefix, mask_start,
+                 query, row_ok, kvh, d, d_ok, sm_scale, stride_kt, stride_kh, BN: tl.constexpr):
+    """Continue the rows' online softmax over the request's tree tokens under SGLang's mask
+    (row i of a request: prefix + n_q entries; the tree part starts at `prefix`)."""
+    for start in range(0, n_q, BN):
+        keys = start + tl.arange(0, BN)
+        key_ok = keys < n_q
+        k = tl.load(K_ext + (q_start + keys)[None, :] * stride_kt + kvh * stride_kh + d[:, None],
+                    mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, k.to(q.dtype)).to(tl.float32) * sm_scale
+        seen = tl.load(Mask + mask_start + query[:, None] * (prefix + n_q) + prefix
+                       + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0)
+        s = tl.where(key_ok[None, :] & (seen != 0), s, float("-inf"))
+        v = tl.load(V_ext + (q_start + keys)[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefix_kernel(Q, K_buf, V_buf, K_ext, V_ext, O, qo_indptr, kv_indptr, kv_indices, Mask,
+                   mask_indptr, O_part, L_part, sm_scale, stride_qt, stride_qh, stride_kb,
+                   stride_kh, stride_kt, stride_ekh, stride_out_t, stride_out_h,
+                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                   GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Stage 1: one prefix split of one block of rows.  With SPLITS == 1 the same program
+    goes on with the tree and writes the final output (one launch in all)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mb = tl.program_id(2) // SPLITS
@@ -45,20 +81,24 @@ def _prefix_partial_kernel(Q, K_buf, V_buf, qo_indptr, kv_indptr, kv_indices, O_
     n_q = tl.load(qo_indptr + b + 1) - q_start
     kv_start = tl.load(kv_indptr + b)
     prefix = tl.load(kv_indptr + b + 1) - kv_start
-    rows = mb * BM + tl.arange(0, BM)
-    query = rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    row_ok = query < n_q
-    if mb * BM < n_q * GROUP:
+    # whole key blocks per split: a split's partial output (float32, n_q x GROUP rows) should
+    # not outweigh the keys it read (n_q x GROUP <= BN for a chain-sized tree)
+    chunk = tl.cdiv(tl.cdiv(prefix, SPLITS), BN) * BN
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix)
+    active = mb * BM < n_q * GROUP
+    if SPLITS > 1:  # a split past the prefix's end does nothing (stage 2 reads the used ones)
+        active = active & (lo < prefix)
+    if active:
+        rows = mb * BM + tl.arange(0, BM)
+        query = rows // GROUP  # rows are query-major: the GROUP heads of a query side by side
+        head = kvh * GROUP + rows % GROUP
+        row_ok = query < n_q
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        q = tl.load(Q + (q_start + query)[:, None] * stride_qt + head[:, None] * stride_qh
-                    + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        # whole key blocks per split: a split's partial output (float32, n_q x GROUP rows)
-        # should not outweigh the keys it read (n_q x GROUP <= BN for a chain-sized tree)
-        chunk = tl.cdiv(tl.cdiv(prefix, SPLITS), BN) * BN
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, prefix)
+        token = q_start + query
+        q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, BLOCK_D], tl.float32)
@@ -70,21 +110,24 @@ def _prefix_partial_kernel(Q, K_buf, V_buf, qo_indptr, kv_indptr, kv_indices, O_
                         mask=key_ok[None, :] & d_ok[:, None], other=0.0)
             s = tl.dot(q, k.to(q.dtype)).to(tl.float32) * sm_scale
             s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
             v = tl.load(V_buf + loc[:, None] * stride_kb + kvh * stride_kh + d[None, :],
                         mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        token = q_start + query
-        tl.store(O_part + token[:, None] * stride_ot + head[:, None] * stride_oh
-                 + split * stride_os + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(L_part + token * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
+        if SPLITS == 1:
+            m_i, l_i, acc = _attend_tree(q, m_i, l_i, acc, K_ext, V_ext, Mask, q_start, n_q,
+                                         prefix, tl.load(mask_indptr + b), query, row_ok, kvh,
+                                         d, d_ok, sm_scale, stride_kt, stride_ekh, BN)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(O + token[:, None] * stride_out_t + head[:, None] * stride_out_h
+                     + d[None, :], out.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(O_part + token[:, None] * stride_ot + head[:, None] * stride_oh
+                     + split * stride_os + d[None, :], out,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(L_part + token * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -94,23 +137,23 @@ def _tree_merge_kernel(Q, K_ext, V_ext, O, qo_indptr, kv_indptr, Mask, mask_indp
                        stride_lt, stride_lh,
                        GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Stage 2 (SPLITS > 1): merge the used prefix splits, then the tree, then write."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mb = tl.program_id(2)
     q_start = tl.load(qo_indptr + b)
     n_q = tl.load(qo_indptr + b + 1) - q_start
     prefix = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
-    mask_start = tl.load(mask_indptr + b)
-    rows = mb * BM + tl.arange(0, BM)
-    query = rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    row_ok = query < n_q
     if mb * BM < n_q * GROUP:
+        rows = mb * BM + tl.arange(0, BM)
+        query = rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = query < n_q
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         token = q_start + query
-        # the prefix splits as one online-softmax state (m_i, l_i, acc unnormalised by l_i);
-        # splits past the prefix's end (stage 1's chunking) hold nothing and are not read
+        # the used splits (stage 1's chunking) as one online-softmax state: running max m_i,
+        # l_i = sum of exp(lse - m_i), acc = sum of exp(lse - m_i) x normalised output
         chunk = tl.cdiv(tl.cdiv(prefix, SPLITS), BN) * BN
         used = tl.cdiv(prefix, tl.maximum(chunk, 1))
         m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -130,25 +173,9 @@ def _tree_merge_kernel(Q, K_ext, V_ext, O, qo_indptr, kv_indptr, Mask, mask_indp
             l_i += w
         q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        for start in range(0, n_q, BN):
-            keys = start + tl.arange(0, BN)
-            key_ok = keys < n_q
-            k = tl.load(K_ext + (q_start + keys)[None, :] * stride_kt + kvh * stride_kh
-                        + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-            s = tl.dot(q, k.to(q.dtype)).to(tl.float32) * sm_scale
-            # SGLang's mask row of query i: [prefix + n_q] entries; the tree part starts at prefix
-            seen = tl.load(Mask + mask_start + query[:, None] * (prefix + n_q) + prefix
-                           + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0)
-            s = tl.where(key_ok[None, :] & (seen != 0), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_new_safe)
-            p = tl.exp(s - m_new_safe[:, None])
-            v = tl.load(V_ext + (q_start + keys)[:, None] * stride_kt + kvh * stride_kh
-                        + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        m_i, l_i, acc = _attend_tree(q, m_i, l_i, acc, K_ext, V_ext, Mask, q_start, n_q, prefix,
+                                     tl.load(mask_indptr + b), query, row_ok, kvh, d, d_ok,
+                                     sm_scale, stride_kt, stride_kh, BN)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(O + token[:, None] * stride_out_t + head[:, None] * stride_out_h + d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -177,20 +204,27 @@ def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
     bs = qo_indptr.shape[0] - 1
     row_blocks = triton.cdiv(max_len_extend * group, BLOCK_M)
     splits = splits or prefix_splits(bs, kv_heads, row_blocks)
-    o_part = torch.empty(tokens, heads, splits, dim, device=q_extend.device, dtype=torch.float32)
-    l_part = torch.empty(tokens, heads, splits, device=q_extend.device, dtype=torch.float32)
+    fused = splits == 1  # one program per row block does prefix and tree: one launch
+    o_part = torch.empty(1 if fused else tokens, heads, splits, dim, device=q_extend.device,
+                         dtype=torch.float32)
+    l_part = torch.empty(1 if fused else tokens, heads, splits, device=q_extend.device,
+                         dtype=torch.float32)
     block_d = triton.next_power_of_2(dim)
-    _prefix_partial_kernel[(bs, kv_heads, row_blocks * splits)](
-        q_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, o_part, l_part,
-        sm_scale, q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        GROUP=group, SPLITS=splits, HEAD_DIM=dim, BLOCK_D=block_d, BM=BLOCK_M, BN=BLOCK_N)
-    _tree_merge_kernel[(bs, kv_heads, row_blocks)](
-        q_extend, k_extend, v_extend, o_extend, qo_indptr, kv_indptr, custom_mask, mask_indptr,
-        o_part, l_part, sm_scale, q_extend.stride(0), q_extend.stride(1), k_extend.stride(0),
-        k_extend.stride(1), o_extend.stride(0), o_extend.stride(1), o_part.stride(0),
-        o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        GROUP=group, SPLITS=splits, HEAD_DIM=dim, BLOCK_D=block_d, BM=BLOCK_M, BN=BLOCK_N)
+    meta = dict(GROUP=group, SPLITS=splits, HEAD_DIM=dim, BLOCK_D=block_d, BM=BLOCK_M,
+                BN=BLOCK_N)
+    part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0),
+                    l_part.stride(1))
+    _prefix_kernel[(bs, kv_heads, row_blocks * splits)](
+        q_extend, k_buffer, v_buffer, k_extend, v_extend, o_extend, qo_indptr, kv_indptr,
+        kv_indices, custom_mask, mask_indptr, o_part, l_part, sm_scale, q_extend.stride(0),
+        q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1), k_extend.stride(0),
+        k_extend.stride(1), o_extend.stride(0), o_extend.stride(1), *part_strides, **meta)
+    if not fused:
+        _tree_merge_kernel[(bs, kv_heads, row_blocks)](
+            q_extend, k_extend, v_extend, o_extend, qo_indptr, kv_indptr, custom_mask,
+            mask_indptr, o_part, l_part, sm_scale, q_extend.stride(0), q_extend.stride(1),
+            k_extend.stride(0), k_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
+            *part_strides, **meta)
     return o_extend
 
 
