@@ -259,7 +259,7 @@ def test_arm_environment_is_checked_and_reaches_the_server():
         CostMode(split_attention_budgets=[0])
     kernel = load_config(ROOT / "configs" / "h200_cost_kernel_qwen3_8b.yaml")
     assert [(a.name, a.budget, a.env) for a in serve_bench.cost_arms(kernel)][2:] == [
-        ("ddtree-b15", 15, {}),
+        ("ddtree-b15", 15, {}), ("ddtree-b32", 32, {}),
         ("ddtree-b15-kernel", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
         ("ddtree-b32-kernel", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"})]
 
