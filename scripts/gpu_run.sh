@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call per phase, from the repository root on the GPU machine (carry .device):
 #   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
+#   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings (~2 min)
 #   bash scripts/gpu_run.sh e2e     # real-server checks, 7 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
@@ -21,6 +22,8 @@ pack() { [ -d "$1/logs" ] && tar czf "$1/logs.tgz" -C "$1" logs && rm -rf "$1/lo
 case "${1:-}" in
   tree)  timeout "$LIMIT" python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
              --batches 1,8,32,64 --budgets 16,32,64 --iters 100 --heap-reps 2 ;;
+  kernel) timeout 120 python tests/tree_attention_interpret_check.py --device cuda 2>&1 | tail -5
+         timeout 150 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -20 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
              --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_fixed,ddtree_split,ddtree_flashinfer,dflash_triton,plain_triton}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
@@ -40,5 +43,5 @@ case "${1:-}" in
          pack "$OUT/auto" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;
-  *)     echo "usage: bash scripts/gpu_run.sh tree|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
+  *)     echo "usage: bash scripts/gpu_run.sh tree|kernel|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
 esac

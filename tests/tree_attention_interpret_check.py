@@ -2,7 +2,12 @@
 interpreter on the CPU (TRITON_INTERPRET=1 is set by test_kernels.py): equal to its float32
 reference for ragged prefixes (empty ones too), random trees, grouped heads, several row blocks
 and split counts; through the server's wrapper, equal to SGLang's own masked kernel; calls it
-cannot compute exactly go to SGLang's kernel untouched."""
+cannot compute exactly go to SGLang's kernel untouched.
+
+On a GPU (`python tests/tree_attention_interpret_check.py --device cuda`, from
+scripts/gpu_run.sh kernel) the same cases run compiled in bfloat16, plus Qwen3-8B verify shapes
+(32 heads over 8 KV heads, head dim 128) at batch 1, 8 and 64."""
+import argparse
 import inspect
 
 import torch
@@ -14,18 +19,18 @@ from ddtree_sglang.sglang_plugin.verify_attention import (check_verify_attention
 
 
 def ragged_case(prefixes: list[int], n: int, heads: int, kv_heads: int, dim: int,
-                seed: int = 0) -> dict:
+                seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """extend_attention_fwd arguments of a tree verify with one random tree and prefix length
     per request; SGLang's flat mask layout ([n, prefix + n] per request)."""
     gen = torch.Generator().manual_seed(seed)
     bs, total = len(prefixes), sum(prefixes)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen)
+        return torch.randn(*shape, generator=gen).to(device, dtype)
 
     masks = [torch.cat([torch.ones(n, p, dtype=torch.bool), random_tree_ancestors(n, gen)], 1)
              for p in prefixes]
-    return dict(
+    case = dict(
         q_extend=rnd(bs * n, heads, dim), k_extend=rnd(bs * n, kv_heads, dim),
         v_extend=rnd(bs * n, kv_heads, dim), o_extend=torch.zeros(bs * n, heads, dim),
         k_buffer=rnd(total + 7, kv_heads, dim), v_buffer=rnd(total + 7, kv_heads, dim),
@@ -35,29 +40,40 @@ def ragged_case(prefixes: list[int], n: int, heads: int, kv_heads: int, dim: int
         custom_mask=torch.cat([m.reshape(-1) for m in masks]),
         mask_indptr=torch.tensor([0] + [n * (p + n) for p in prefixes]).cumsum(0),
         max_len_extend=n, sm_scale=dim ** -0.5)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+# (prefix lengths, tree size, heads, kv heads, head dim, prefix splits)
+CASES = [([3], 5, 4, 2, 16, None), ([40, 0, 129], 17, 8, 2, 32, None),
+         ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2),
+         # one split: the fused single launch (prefix and tree in one program)
+         ([40, 0, 129], 17, 8, 2, 32, 1), ([0, 3], 4, 2, 2, 16, 1)]
+# Qwen3-8B verify shapes (GPU only): batch 1 (many splits), 8, 64 (fused, one split)
+GPU_CASES = [([1000], 16, 32, 8, 128, None), ([300 + 97 * i for i in range(8)], 33, 32, 8, 128,
+             None), ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None)]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    device = parser.parse_args().device
+    dtype, tol = (torch.float32, 1e-4) if device == "cpu" else (torch.bfloat16, 2e-2)
     cases = 0
-    # (prefix lengths, tree size, heads, kv heads, head dim, prefix splits)
-    for prefixes, n, heads, kv_heads, dim, splits in [
-            ([3], 5, 4, 2, 16, None), ([40, 0, 129], 17, 8, 2, 32, None),
-            ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2),
-            # one split: the fused single launch (prefix and tree in one program)
-            ([40, 0, 129], 17, 8, 2, 32, 1), ([0, 3], 4, 2, 2, 16, 1)]:
-        args = ragged_case(prefixes, n, heads, kv_heads, dim, seed=cases)
+    for prefixes, n, heads, kv_heads, dim, splits in CASES + (GPU_CASES if device == "cuda"
+                                                              else []):
+        args = ragged_case(prefixes, n, heads, kv_heads, dim, cases, device, dtype)
         tree_verify_attention(**args, splits=splits)
         ref = reference_tree_attention(**{k: v for k, v in args.items()
                                           if k not in ("o_extend", "max_len_extend")})
-        err = (args["o_extend"] - ref).abs().max()
-        assert err < 1e-4, (prefixes, n, float(err))
+        err = (args["o_extend"].float() - ref).abs().max()
+        assert err < tol, (prefixes, n, float(err))
         cases += 1
     # the server's wrapper against SGLang's own masked kernel (the worker's startup check)
     single = internals.resolve(internals.NAMES["extend_attention_fwd"])
     merge = internals.resolve(internals.NAMES["merge_state_triton"])
     signature = inspect.signature(single)
-    assert check_verify_attention(single, merge, signature, "cpu", torch.float32,
-                                  make=kernel_attention) is None
+    why = check_verify_attention(single, merge, signature, device, dtype, make=kernel_attention)
+    assert why is None, why
     # calls the kernel cannot compute exactly reach SGLang's kernel with their arguments
     calls = []
 
