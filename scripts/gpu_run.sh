@@ -2,7 +2,7 @@
 # One device call per phase, from the repository root on the GPU machine (carry .device):
 #   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
 #   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings (~2 min)
-#   bash scripts/gpu_run.sh e2e     # real-server checks, 7 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
+#   bash scripts/gpu_run.sh e2e     # real-server checks, 5 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
@@ -25,7 +25,7 @@ case "${1:-}" in
   kernel) timeout 120 python tests/tree_attention_interpret_check.py --device cuda 2>&1 | tail -5
          timeout 150 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -20 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
-             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_fixed,ddtree_split,ddtree_flashinfer,dflash_triton,plain_triton}
+             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
   rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;

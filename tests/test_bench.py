@@ -249,7 +249,7 @@ def test_arm_environment_is_checked_and_reaches_the_server():
     spec = serve_bench.server_spec(cfg, split[0], "m", "d")
     # a fixed-budget arm pins the budget (the server's default is the batch-aware choice)
     assert spec.env == {"SGLANG_DDTREE_VERIFY_ATTENTION": "split", "SGLANG_DDTREE_BUDGETS": "off"}
-    for env, message in [({"SGLANG_DDTREE_VERIFY_ATTENTION": "fast"}, "accepted: single, split"),
+    for env, message in [({"SGLANG_DDTREE_VERIFY_ATTENTION": "fast"}, "accepted: kernel, single, split"),
                          ({"FOO": "1"}, "unknown env 'FOO'")]:
         with pytest.raises(ValueError, match=message):
             Arm(name="x", algorithm="DDTREE", budget=15, env=env)
@@ -259,9 +259,10 @@ def test_arm_environment_is_checked_and_reaches_the_server():
         CostMode(split_attention_budgets=[0])
     kernel = load_config(ROOT / "configs" / "h200_cost_kernel_qwen3_8b.yaml")
     assert [(a.name, a.budget, a.env) for a in serve_bench.cost_arms(kernel)][2:] == [
-        ("ddtree-b15", 15, {}), ("ddtree-b32", 32, {}),
         ("ddtree-b15-kernel", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
-        ("ddtree-b32-kernel", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"})]
+        ("ddtree-b32-kernel", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
+        ("ddtree-b15-single", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
+        ("ddtree-b32-single", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"})]
 
 
 def test_comma_list_arguments():

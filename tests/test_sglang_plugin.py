@@ -154,7 +154,7 @@ def test_environment_knobs_are_checked(monkeypatch):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1")
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "fast")
-    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: single, split, kernel"):
+    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: kernel, single, split"):
         validate(SimpleNamespace(**base))
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "split")
     monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,40")  # B = 32 here
@@ -182,10 +182,16 @@ def test_exploration_period_from_the_environment(monkeypatch):
     assert explore_every_setting() == 8
 
 
-def test_split_verify_attention_is_opt_in_until_checked_in_the_server():
+def test_tree_attention_kernel_is_the_default_verify_attention(monkeypatch):
+    """The kernel was checked lossless in the server (e2e run 6) and measured faster than the
+    single masked call at every batch (cost run 6): it is the default; the others stay."""
     from ddtree_sglang.sglang_plugin.server_args import env_setting
 
-    assert env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == "single"
+    monkeypatch.delenv("SGLANG_DDTREE_VERIFY_ATTENTION", raising=False)
+    assert env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == "kernel"
+    for choice in ("single", "split"):
+        monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", choice)
+        assert env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == choice
 
 
 def test_budget_candidates_from_the_environment():

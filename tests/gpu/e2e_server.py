@@ -183,9 +183,12 @@ def main() -> None:
         # from 32 requests a verify: --prompts 32 makes the greedy check reach it
         "ddtree_split": ServerSpec(target, "ddtree_split", "DDTREE", drafter, args.budget + 1,
                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}),
-        # the two-launch tree-attention kernel (kernels/tree_attention.py) for every verify
+        # the tree-attention kernel (kernels/tree_attention.py; the default since run 6, so
+        # every other triton DDTREE arm uses it too), and SGLang's single masked call
         "ddtree_kernel": ServerSpec(target, "ddtree_kernel", "DDTREE", drafter, args.budget + 1,
                                     env={"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
+        "ddtree_single": ServerSpec(target, "ddtree_single", "DDTREE", drafter, args.budget + 1,
+                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
     }

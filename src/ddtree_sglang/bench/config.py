@@ -84,12 +84,15 @@ class CostMode(_Strict):
                                                "split verify attention (arm ddtree-b<B>-split)")
     kernel_attention_budgets: list[int] = Field([], description="budgets also measured with the "
                                                 "tree-attention kernel (arm ddtree-b<B>-kernel)")
+    single_attention_budgets: list[int] = Field([], description="budgets also measured with "
+                                                "SGLang's single masked verify call (arm "
+                                                "ddtree-b<B>-single; the default is the kernel)")
     repeats: int = Field(1, ge=1, description="measure each (arm, batch) cell this many times; "
                          "the table shows the median and every run (one cell moved 8.5% between "
                          "two device calls, more than the 3% the overhead goal asks about)")
 
     @field_validator("batch_sizes", "budgets", "profile_batches", "split_attention_budgets",
-                     "kernel_attention_budgets")
+                     "kernel_attention_budgets", "single_attention_budgets")
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
         if any(x < 1 for x in v):

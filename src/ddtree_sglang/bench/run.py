@@ -210,7 +210,8 @@ def cost_arms(cfg: BenchConfig) -> list[Arm]:
         Arm(name=f"ddtree-b{b}-{variant}", algorithm="DDTREE", budget=b,
             env={"SGLANG_DDTREE_VERIFY_ATTENTION": variant})
         for variant, budgets in (("split", cfg.cost_mode.split_attention_budgets),
-                                 ("kernel", cfg.cost_mode.kernel_attention_budgets))
+                                 ("kernel", cfg.cost_mode.kernel_attention_budgets),
+                                 ("single", cfg.cost_mode.single_attention_budgets))
         for b in budgets]
 
 

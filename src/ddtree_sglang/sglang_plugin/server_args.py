@@ -41,17 +41,16 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
                       "lfm2", "minimax_m1", "plamo2", "zamba2"}
 
 
+VERIFY_ATTENTION_ENV = "SGLANG_DDTREE_VERIFY_ATTENTION"
 ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton"),
-               # verify attention with the triton backend: always one masked kernel call
-               # (single, the default) or, for verifies of >= 32 requests, prefix + tree
-               # partial attentions merged by LSE (split; verify_attention.py).  The split is
-               # faster in the server at batch 64 (cost run 5) but no served output of a
-               # >= 32-request verify has been compared with plain SGLang yet: opt-in until
-               # `E2E_ARGS="--prompts 32" bash scripts/gpu_run.sh e2e` checks it.  kernel: the
-               # two-launch tree-attention kernel (kernels/tree_attention.py) for every tree
-               # verify; CPU-checked only, not yet run on a GPU.
-               "SGLANG_DDTREE_VERIFY_ATTENTION": ("single", "split", "kernel")}
+               # verify attention with the triton backend (first = default): kernel, DDTREE's
+               # tree-attention kernel (kernels/tree_attention.py) for every tree verify:
+               # lossless in the server (e2e run 6) and 0.78-0.97x a DFLASH step at B = 15
+               # (cost run 6, 2026-12-04); single, SGLang's masked extend kernel, one call;
+               # split, prefix + tree partial attentions merged by LSE from 32 requests
+               # (verify_attention.py).  Other backends: always their own call.
+               VERIFY_ATTENTION_ENV: ("kernel", "single", "split")}
 
 
 # The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):

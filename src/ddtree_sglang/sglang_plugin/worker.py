@@ -20,6 +20,7 @@ to the host.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -36,8 +37,8 @@ from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.server_args import (budgets_setting, env_setting,
-                                                     explore_every_setting)
+from ddtree_sglang.sglang_plugin.server_args import (VERIFY_ATTENTION_ENV, budgets_setting,
+                                                     env_setting, explore_every_setting)
 from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
                                                           check_verify_attention)
 
@@ -155,7 +156,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         graph is captured: the split or kernel tree-verify attention, if asked for and exact
         here."""
         super().init_attention_backends()
-        variant = env_setting("SGLANG_DDTREE_VERIFY_ATTENTION")
+        variant = env_setting(VERIFY_ATTENTION_ENV)
         if variant == "single":
             return
         why = self._install_verify_attention(self.target_worker.model_runner.attn_backend,
@@ -163,7 +164,10 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self._verify_attention = variant if why is None else "single"
         if self.ps.tp_rank == 0:
             if why is not None:
-                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
+                # asked for explicitly: a warning; the default on another backend: a note
+                level = logging.WARNING if os.environ.get(VERIFY_ATTENTION_ENV) else logging.INFO
+                logger.log(level, "DDTREE: verify attention stays a single masked call (%s)",
+                           why)
             elif variant == "split":
                 logger.info("DDTREE verify attention: split from %d requests a verify "
                             "(mask-free prefix + masked tree, merged by log-sum-exp)",
