@@ -1,6 +1,7 @@
 """The benchmark harness on CPU, against a stand-in server: replicas, streaming metrics,
 correctness comparison, reports, server shutdown, config errors."""
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -322,6 +323,37 @@ def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):
     bad.write_text("{}")
     assert projection.main(["--cost", str(bad)]) == 2
     assert "not a readable cost-mode results.json" in capsys.readouterr().err
+
+
+def test_budget_projection_joins_cost_runs_by_ratio_and_interpolates_tau(tmp_path, capsys):
+    """Two calls, each with its own DFLASH: DDTREE steps rescaled to the first call's DFLASH;
+    only the asked-for variant's arms; unpublished budgets get a log-linear accept length."""
+    from ddtree_sglang.bench import projection
+
+    first = [dict(arm="dflash", batch_size=1, step_ms=8.0),
+             dict(arm="ddtree-b15-kernel", batch_size=1, step_ms=7.6),
+             dict(arm="ddtree-b15-single", batch_size=1, step_ms=9.0)]
+    second = [dict(arm="dflash", batch_size=1, step_ms=10.0),
+              dict(arm="ddtree-b128-kernel", batch_size=1, step_ms=10.0)]
+    rows = projection.join_cost_runs([first, second], "kernel")
+    assert sorted((r["arm"], r["step_ms"]) for r in rows) == [
+        ("ddtree-b128", 8.0), ("ddtree-b15", 7.6), ("dflash", 8.0)]
+    assert projection.paper_tau(128) == 10.2
+    assert projection.paper_tau(15) == round(8.6 + (9.3 - 8.6) * math.log2(15 / 16), 3)
+    assert projection.paper_tau(90) == round(9.75 + 0.45 * math.log2(90 / 64), 3)
+    assert projection.paper_tau(1024) is None
+    out = projection.project(rows)[0]
+    assert out["tau"] == {15: projection.paper_tau(15), 128: 10.2}
+    assert out["chosen_budget"] == 128  # 10.2 / 8.0 > 8.535 / 7.6
+    assert "B=15: 8.535" in projection.markdown([out], "a.json")
+    paths = []
+    for i, run in enumerate((first, second)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps({"cost_rows": run}))
+    assert projection.main(["--cost", *map(str, paths), "--variant", "kernel"]) == 0
+    assert "| 1 | 128 |" in capsys.readouterr().out
+    assert projection.main(["--cost", str(paths[1]), "--variant", "split"]) == 2
+    assert "no batch size has both" in capsys.readouterr().err
 
 
 def test_cells_repeat_and_run_to_their_minimum(tmp_path, fake_env):
