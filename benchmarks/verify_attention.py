@@ -10,8 +10,11 @@ kernel both verifies call on Hopper — outside the server, with identical prefi
     tree-17   : 17 query tokens, a random tree mask         (DDTREE, B = 16)
     split-16/17: the tree verifies as DDTREE's split attention computes them
                 (sglang_plugin/verify_attention.py: mask-free prefix + masked tree, merged)
-    kernel-16/17: the tree verifies by DDTREE's two-launch kernel (kernels/tree_attention.py:
-                split-KV prefix + masked tree in one online softmax)
+    tree-33   : 33 query tokens, a random tree mask         (DDTREE, B = 32)
+    kernel-16/17/33: the tree verifies by DDTREE's two-launch kernel (kernels/tree_attention.py:
+                split-KV prefix + masked tree in one online softmax), 64 query rows a program
+    kernel-<tile>-16/17/33: the same with other tiles (TILES below: 32 keys a step, 8 warps,
+                128 query rows a program = fewer prefix reads for trees of 17-32 tokens)
 
 and checks that mask-16 gives the same output as chain-16 (the mask is laid out the way the
 backend reads it) and that the split and the kernel give the single masked call's output.
@@ -32,6 +35,11 @@ from pathlib import Path
 import torch
 
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
+
+
+# kernel tiles timed beside the default one (64 query rows, 64 keys a step, 4 warps)
+TILES = {"kernel-n32": dict(block_n=32), "kernel-w8": dict(num_warps=8),
+         "kernel-bm128": dict(block_m=128), "kernel-bm128-n32": dict(block_m=128, block_n=32)}
 
 
 def time_ms(fwd, c: dict, iters: int) -> float:
@@ -56,6 +64,24 @@ def time_ms(fwd, c: dict, iters: int) -> float:
     return statistics.median(times)
 
 
+def print_tables(rows: list[dict], layers: int) -> None:
+    """One table per tree width: per-step ms of every variant, and the worst difference."""
+    print(f"\nper-step ms (one call x {layers} layers); chain-16 = DFLASH's causal call")
+    for width in (16, 17, 33):
+        names = (["chain-16"] if width == 16 else []) + [f"{v}-{width}" for v in (
+            "tree", "split", "kernel", *TILES)]
+        print(f"\n{width} tree tokens\n{'batch':>5} {'prefix':>6} "
+              + " ".join(f"{n:>19}" for n in names) + " | worst |diff| split / kernels")
+        for r in rows:
+            worst = {v: max(r[f"{n}-{width}_max_diff"] for n in ([v] if v == "split" else
+                                                                  ["kernel", *TILES]))
+                     for v in ("split", "kernel")}
+            print(f"{r['batch']:>5} {r['prefix']:>6} " + " ".join(f"{r[n]:19.3f}" for n in names)
+                  + f" | {worst['split']:.2g} / {worst['kernel']:.2g}")
+    print("chain-16 equals mask-16 (mask layout check):",
+          all(r["chain_equals_mask"] for r in rows))
+
+
 def main() -> None:
     p = Parser(prog="verify_attention", description=__doc__)
     p.add_argument("--out", type=Path, required=True)
@@ -75,6 +101,10 @@ def main() -> None:
 
     wrapped = {name: make(fwd, merge_state_triton, inspect.signature(fwd), min_requests=1)
                for name, make in VARIANTS.items()}  # split, kernel
+    # the kernel with other tiles (kernels/tree_attention.py: the default spills registers)
+    for name, tile in TILES.items():
+        wrapped[name] = VARIANTS["kernel"](fwd, merge_state_triton, inspect.signature(fwd),
+                                           min_requests=1, tile=tile)
 
     dev = "cuda"
     chain = torch.tril(torch.ones(16, 16, dtype=torch.bool))
@@ -85,7 +115,8 @@ def main() -> None:
             cases = {"chain-16": verify_case(*shape, ancestors=None)[0],
                      "mask-16": verify_case(*shape, ancestors=chain)[0],
                      "tree-16": verify_case(*shape, seed=1)[0],
-                     "tree-17": verify_case(bs, 17, *shape[2:], seed=2)[0]}
+                     "tree-17": verify_case(bs, 17, *shape[2:], seed=2)[0],
+                     "tree-33": verify_case(bs, 33, *shape[2:], seed=3)[0]}
             fwd(**cases["chain-16"])
             fwd(**cases["mask-16"])
             same = torch.allclose(cases["chain-16"]["o_extend"].float(),
@@ -93,26 +124,20 @@ def main() -> None:
             row = {"batch": bs, "prefix": prefix, "chain_equals_mask": bool(same)}
             for name, c in cases.items():
                 row[name] = time_ms(fwd, c, args.iters) * args.layers
-            for name in ("tree-16", "tree-17"):
+            for name in ("tree-16", "tree-17", "tree-33"):
                 c = cases[name]
                 for variant, call in wrapped.items():
                     fwd(**c)
                     single = c["o_extend"].float().clone()
-                    row[variant + name[4:]] = time_ms(call, c, args.iters) * args.layers
+                    # kernel-bm128-17 etc.: the width goes last
+                    key = f"{variant}{name[4:]}"
+                    row[key] = time_ms(call, c, args.iters) * args.layers
                     diff = (c["o_extend"].float() - single).abs().max()
-                    row[f"{variant}{name[4:]}_max_diff"] = float(diff)
+                    row[f"{key}_max_diff"] = float(diff)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(f"batch {bs} prefix {prefix}: timed", flush=True)
     args.out.write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=1) + "\n")
-    names = ["chain-16", "mask-16", "tree-16", "tree-17", "split-16", "split-17", "kernel-16",
-             "kernel-17"]
-    print(f"\nper-step ms (one call x {args.layers} layers)")
-    print(f"{'batch':>5} {'prefix':>6} " + " ".join(f"{n:>9}" for n in names)
-          + " | mask ok, split / kernel max diff")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['prefix']:>6} " + " ".join(f"{r[n]:9.3f}" for n in names)
-              + f" | {r['chain_equals_mask']}, {r['split-17_max_diff']:.2g} / "
-              f"{r['kernel-17_max_diff']:.2g}")
+    print_tables(rows, args.layers)
 
 
 if __name__ == "__main__":

@@ -66,10 +66,11 @@ def test_tree_attention_compiles_for_the_gpus_we_serve_on(arch):
     ints = {n: "*i64" for n in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_indices")}
     pointers = {**bf16, **ints, "Mask": "*i1", "O_part": "*fp32", "L_part": "*fp32"}
     target = GPUTarget("cuda", arch, 32)
-    for kernel, splits in [(ta._prefix_kernel, 1), (ta._prefix_kernel, 8),
-                           (ta._tree_merge_kernel, 8)]:
-        const = dict(GROUP=4, SPLITS=splits, HEAD_DIM=128, BLOCK_D=128, BM=ta.BLOCK_M,
-                     BN=ta.BLOCK_N)
-        source = ASTSource(kernel, _signature(kernel, pointers, const), constexprs=const)
-        compiled = triton.compile(source, target=target, options=dict(num_warps=4))
-        assert compiled.asm["cubin"], (kernel.__name__, splits)
+    for block_m, warps in ta.WARPS.items():
+        for kernel, splits in [(ta._prefix_kernel, 1), (ta._prefix_kernel, 8),
+                               (ta._tree_merge_kernel, 8)]:
+            const = dict(GROUP=4, SPLITS=splits, HEAD_DIM=128, BLOCK_D=128, BM=block_m,
+                         BN=ta.BLOCK_N)
+            source = ASTSource(kernel, _signature(kernel, pointers, const), constexprs=const)
+            compiled = triton.compile(source, target=target, options=dict(num_warps=warps))
+            assert compiled.asm["cubin"], (kernel.__name__, splits, block_m)

@@ -43,14 +43,23 @@ def ragged_case(prefixes: list[int], n: int, heads: int, kv_heads: int, dim: int
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
 
 
-# (prefix lengths, tree size, heads, kv heads, head dim, prefix splits)
+# (prefix lengths, tree size, heads, kv heads, head dim, prefix splits[, tile])
 CASES = [([3], 5, 4, 2, 16, None), ([40, 0, 129], 17, 8, 2, 32, None),
          ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2),
          # one split: the fused single launch (prefix and tree in one program)
-         ([40, 0, 129], 17, 8, 2, 32, 1), ([0, 3], 4, 2, 2, 16, 1)]
+         ([40, 0, 129], 17, 8, 2, 32, 1), ([0, 3], 4, 2, 2, 16, 1),
+         # other tiles: 128-row blocks (33 queries x 4 heads = 132 rows), 32-key steps, 8 warps
+         ([90, 5], 33, 8, 2, 16, 3, dict(block_m=128)), ([90, 5], 33, 8, 2, 16, 1,
+         dict(block_m=128, block_n=32)), ([70, 33], 9, 8, 2, 16, 2, dict(block_n=32)),
+         ([70, 33], 9, 8, 2, 16, 1, dict(num_warps=8))]
 # Qwen3-8B verify shapes (GPU only): batch 1 (many splits), 8, 64 (fused, one split)
 GPU_CASES = [([1000], 16, 32, 8, 128, None), ([300 + 97 * i for i in range(8)], 33, 32, 8, 128,
-             None), ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None)]
+             None), ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None),
+             ([300 + 97 * i for i in range(8)], 33, 32, 8, 128, None, dict(block_m=128)),
+             ([200 + 13 * i for i in range(64)], 17, 32, 8, 128, None,
+              dict(block_m=128, block_n=32)),
+             ([1000], 16, 32, 8, 128, None, dict(block_n=32)),
+             ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None, dict(num_warps=8))]
 
 
 def main() -> None:
@@ -59,15 +68,20 @@ def main() -> None:
     device = parser.parse_args().device
     dtype, tol = (torch.float32, 1e-4) if device == "cpu" else (torch.bfloat16, 2e-2)
     cases = 0
-    for prefixes, n, heads, kv_heads, dim, splits in CASES + (GPU_CASES if device == "cuda"
-                                                              else []):
+    for prefixes, n, heads, kv_heads, dim, splits, *block in CASES + (
+            GPU_CASES if device == "cuda" else []):
         args = ragged_case(prefixes, n, heads, kv_heads, dim, cases, device, dtype)
-        tree_verify_attention(**args, splits=splits)
+        tree_verify_attention(**args, splits=splits, **(block[0] if block else {}))
         ref = reference_tree_attention(**{k: v for k, v in args.items()
                                           if k not in ("o_extend", "max_len_extend")})
         err = (args["o_extend"].float() - ref).abs().max()
         assert err < tol, (prefixes, n, float(err))
         cases += 1
+    try:
+        tree_verify_attention(**ragged_case([3], 4, 2, 2, 16), block_m=96)
+        raise AssertionError("block_m=96 was accepted")
+    except ValueError as exc:
+        assert "accepted: block_m in [64, 128], block_n in [32, 64]" in str(exc), exc
     # the server's wrapper against SGLang's own masked kernel (the worker's startup check)
     single = internals.resolve(internals.NAMES["extend_attention_fwd"])
     merge = internals.resolve(internals.NAMES["merge_state_triton"])

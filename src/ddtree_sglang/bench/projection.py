@@ -97,7 +97,7 @@ def markdown(rows: list[dict], source: str) -> str:
              f"the DDTree paper's budget curve, MATH-500, Qwen3-8B, T = 0 (B "
              + "/".join(map(str, PAPER_TAU)) + " -> tau " + "/".join(map(str, PAPER_TAU.values()))
              + f"; DFlash {PAPER_DFLASH_TAU})"
-             + (f"; not published, interpolated log-linearly in log2(B) from the curve: "
+             + ("; not published, interpolated log-linearly in log2(B) from the curve: "
                 + ", ".join(derived) if derived else "")
              + ". Throughput = batch x tau / step time; the chooser "
              "(`ddtree_sglang.budget.choose_budget`) takes the budget with the most committed "

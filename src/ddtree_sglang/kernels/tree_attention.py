@@ -28,8 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64   # query rows (queries x grouped heads) per program
-BLOCK_N = 64   # keys per inner step
+BLOCK_M = 64   # query rows (queries x grouped heads) per program (default)
+BLOCK_N = 64   # keys per inner step (default)
+# Tile shapes the kernel accepts (block_m: warps by default).  Each row block reads the whole
+# prefix once, so a tree of more than 64 rows (B >= 16 at 4 grouped heads) reads it twice or
+# more at 64 rows; 128-row blocks halve that at the price of registers.  Compiled for sm_90,
+# the default tile uses all 255 registers and spills ~1.2 KB per thread in the fused launch
+# (ptxas -v; 8 warps or 32-key steps spill almost nothing): which tile is fastest is what
+# benchmarks/verify_attention.py's kernel-* columns measure.
+WARPS = {64: 4, 128: 8}
+BLOCK_NS = (32, 64)
 TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: the split count aims at this
 
 
@@ -195,14 +203,22 @@ def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
                           qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_indices: torch.Tensor, custom_mask: torch.Tensor,
                           mask_indptr: torch.Tensor, max_len_extend: int,
-                          sm_scale: float, splits: int | None = None) -> torch.Tensor:
+                          sm_scale: float, splits: int | None = None,
+                          block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                          num_warps: int | None = None) -> torch.Tensor:
     """Tree-verify attention into `o_extend` ([tokens, heads, dim]); see the module doc.
-    `custom_mask`/`mask_indptr`: SGLang's flat per-request [n_q, prefix + n_q] masks."""
+    `custom_mask`/`mask_indptr`: SGLang's flat per-request [n_q, prefix + n_q] masks.
+    Tile: `block_m` query rows per program (one of WARPS), `block_n` keys per step (one of
+    BLOCK_NS), `num_warps` (4 or 8; default WARPS[block_m])."""
+    if block_m not in WARPS or block_n not in BLOCK_NS or num_warps not in (None, 4, 8):
+        raise ValueError(f"tile block_m={block_m}, block_n={block_n}, num_warps={num_warps} "
+                         f"is not supported; accepted: block_m in {sorted(WARPS)}, block_n in "
+                         f"{list(BLOCK_NS)}, num_warps 4 or 8")
     tokens, heads, dim = q_extend.shape
     kv_heads = k_extend.shape[1]
     group = heads // kv_heads
     bs = qo_indptr.shape[0] - 1
-    row_blocks = triton.cdiv(max_len_extend * group, BLOCK_M)
+    row_blocks = triton.cdiv(max_len_extend * group, block_m)
     splits = splits or prefix_splits(bs, kv_heads, row_blocks)
     fused = splits == 1  # one program per row block does prefix and tree: one launch
     o_part = torch.empty(1 if fused else tokens, heads, splits, dim, device=q_extend.device,
@@ -210,8 +226,8 @@ def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
     l_part = torch.empty(1 if fused else tokens, heads, splits, device=q_extend.device,
                          dtype=torch.float32)
     block_d = triton.next_power_of_2(dim)
-    meta = dict(GROUP=group, SPLITS=splits, HEAD_DIM=dim, BLOCK_D=block_d, BM=BLOCK_M,
-                BN=BLOCK_N)
+    meta = dict(GROUP=group, SPLITS=splits, HEAD_DIM=dim, BLOCK_D=block_d, BM=block_m,
+                BN=block_n, num_warps=num_warps or WARPS[block_m])
     part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0),
                     l_part.stride(1))
     _prefix_kernel[(bs, kv_heads, row_blocks * splits)](

@@ -90,12 +90,15 @@ def kernel_computes(args: dict) -> bool:
 
 
 def kernel_attention(single: Callable, merge: Callable, signature: inspect.Signature,
-                     min_requests: int = 1) -> Callable:
+                     min_requests: int = 1, tile: dict | None = None) -> Callable:
     """An extend_attention_fwd with `single`'s signature that sends every tree verify
     `kernel_computes` (of at least `min_requests` requests) to the two-launch tree-attention
     kernel (kernels/tree_attention.py: split prefix + masked tree in one online softmax).
-    `merge` is unused: the kernel merges inside its second launch."""
+    `merge` is unused: the kernel merges inside its second launch.  `tile`: the kernel's
+    block_m / block_n / num_warps (default: its own)."""
     from ddtree_sglang.kernels.tree_attention import tree_verify_attention
+
+    tile = dict(tile or {})
 
     def attend(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
@@ -108,7 +111,7 @@ def kernel_attention(single: Callable, merge: Callable, signature: inspect.Signa
             q, call["k_extend"], call["v_extend"], call["o_extend"], call["k_buffer"],
             call["v_buffer"], call["qo_indptr"], call["kv_indptr"], call["kv_indices"],
             call["custom_mask"], call["mask_indptr"], int(call["max_len_extend"]),
-            call["sm_scale"] or q.shape[-1] ** -0.5)
+            call["sm_scale"] or q.shape[-1] ** -0.5, **tile)
 
     attend.__wrapped__ = single
     return attend
