@@ -74,3 +74,14 @@ def test_tree_attention_compiles_for_the_gpus_we_serve_on(arch):
             source = ASTSource(kernel, _signature(kernel, pointers, const), constexprs=const)
             compiled = triton.compile(source, target=target, options=dict(num_warps=warps))
             assert compiled.asm["cubin"], (kernel.__name__, splits, block_m)
+
+
+def test_tree_attention_splits_the_prefix_for_two_waves_of_the_gpus_sms():
+    """Short batches split each prefix across programs until about two waves of the GPU's SMs
+    are busy (H200: 132, RTX Pro 6000: 188); a full batch is not split (the fused launch)."""
+    from ddtree_sglang.kernels.tree_attention import prefix_splits
+
+    assert prefix_splits(1, 8, 1) == 32           # 264 // 8 = 33, capped at 32
+    assert prefix_splits(8, 8, 1) == 4            # 264 // 64
+    assert prefix_splits(8, 8, 1, sms=188) == 5   # 376 // 64
+    assert prefix_splits(8, 8, 3) == 1 and prefix_splits(64, 8, 1) == 1

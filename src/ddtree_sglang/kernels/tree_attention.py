@@ -24,6 +24,8 @@ reference is `reference_tree_attention` (float32, any prefix lengths and masks).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,7 @@ BLOCK_N = 64   # keys per inner step (default)
 # benchmarks/verify_attention.py's kernel-* columns measure.
 WARPS = {64: 4, 128: 8}
 BLOCK_NS = (32, 64)
-TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs: the split count aims at this
+WAVES = 2  # the split count aims at two waves of the GPU's SMs (264 programs on an H200)
 
 
 @triton.jit
@@ -189,12 +191,21 @@ def _tree_merge_kernel(Q, K_ext, V_ext, O, qo_indptr, kv_indptr, Mask, mask_indp
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def prefix_splits(batch_size: int, kv_heads: int, row_blocks: int) -> int:
-    """How many programs share one request's prefix: enough for ~TARGET_PROGRAMS programs in
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (132 on an H200, 188 on an RTX Pro 6000); host
+    properties, no device read.  132 where there is no CUDA device (the interpreter)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefix_splits(batch_size: int, kv_heads: int, row_blocks: int, sms: int = 132) -> int:
+    """How many programs share one request's prefix: enough for ~WAVES x `sms` programs in
     all (1 when the batch alone fills the GPU).  From host-known sizes only (no device read),
     so a CUDA graph of a batch size always records the same split count."""
     programs = batch_size * kv_heads * row_blocks
-    return max(1, min(32, TARGET_PROGRAMS // max(1, programs)))
+    return max(1, min(32, WAVES * sms // max(1, programs)))
 
 
 def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
@@ -219,7 +230,7 @@ def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
     group = heads // kv_heads
     bs = qo_indptr.shape[0] - 1
     row_blocks = triton.cdiv(max_len_extend * group, block_m)
-    splits = splits or prefix_splits(bs, kv_heads, row_blocks)
+    splits = splits or prefix_splits(bs, kv_heads, row_blocks, _sm_count(q_extend.device))
     fused = splits == 1  # one program per row block does prefix and tree: one launch
     o_part = torch.empty(1 if fused else tokens, heads, splits, dim, device=q_extend.device,
                          dtype=torch.float32)
