@@ -136,7 +136,9 @@ def main() -> None:
                     row[f"{key}_max_diff"] = float(diff)
             rows.append(row)
             print(f"batch {bs} prefix {prefix}: timed", flush=True)
-    args.out.write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=1) + "\n")
+            # after every row: a call cut short by its time limit still returns what it timed
+            args.out.write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=1)
+                                + "\n")
     print_tables(rows, args.layers)
 
 
