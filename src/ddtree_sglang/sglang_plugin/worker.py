@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -93,7 +94,9 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
         graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
         self._kv_move = None  # None: resolved at the first decode (the KV pool exists then)
+        started = time.perf_counter()
         builder_name = self._choose_kernels()
+        checks_s = time.perf_counter() - started
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
@@ -107,10 +110,12 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
-                        "tree builder %s, drafter weights %s, target embeddings %s", self.budget,
+                        "tree builder %s, drafter weights %s, target embeddings %s; startup "
+                        "kernel checks %.1f s", self.budget,
                         self.verify_width, self.block_size, self.depth, builder_name,
                         draft_dtype,
-                        self.target_worker.model_runner.model.get_input_embeddings().weight.dtype)
+                        self.target_worker.model_runner.model.get_input_embeddings().weight.dtype,
+                        checks_s)
 
     def _choose_kernels(self) -> str:
         """The tree builder, the acceptance walk, and whether the Triton top-k, logsumexp and
@@ -226,6 +231,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
         mem_before = torch.cuda.memory_reserved() / 2**20
+        started = time.perf_counter()
         try:
             for bs in sizes:
                 lay, _ = unpack_tree_stage(self._tree_stage(
@@ -248,8 +254,9 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self._accept_stage.freeze()
         if self.ps.tp_rank == 0:
             logger.info("DDTREE tree/accept stages captured %s for batch sizes %s (%.0f MiB "
-                        "graph pool); other sizes are padded to these", when, sizes,
-                        torch.cuda.memory_reserved() / 2**20 - mem_before)
+                        "graph pool, %.1f s); other sizes are padded to these", when, sizes,
+                        torch.cuda.memory_reserved() / 2**20 - mem_before,
+                        time.perf_counter() - started)
         return True
 
     def _maybe_build_draft_sampler(self):
