@@ -21,7 +21,7 @@ pkill -f sglang.launch_server 2>/dev/null || true   # nothing left from an earli
 pack() { [ -d "$1/logs" ] && tar czf "$1/logs.tgz" -C "$1" logs && rm -rf "$1/logs"; }
 case "${1:-}" in
   tree)  timeout "$LIMIT" python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
-             --batches 1,8,32,64 --budgets 16,32,64 --iters 100 --heap-reps 2 ;;
+             --batches 1,8,32,64 --budgets 16,32,64,128,256 --iters 100 --heap-reps 2 ;;
   kernel) timeout 180 python tests/tree_attention_interpret_check.py --device cuda 2>&1 | tail -5
          timeout 360 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -24 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \

@@ -65,7 +65,8 @@ def test_builder_choice_and_its_startup_check():
     assert select_builder("auto", 32, 15) == (build_draft_tree_triton, "triton")
     assert select_builder("auto", 64, 15)[1] == "torch"     # not timed faster there
     assert select_builder("triton", 64, 15)[1] == "triton"  # forced
-    assert select_builder("triton", 128, 15)[1] == "torch"  # beyond the kernel: exact fallback
+    assert select_builder("triton", 256, 15)[1] == "triton"
+    assert select_builder("triton", 512, 15)[1] == "torch"  # beyond the kernel: exact fallback
     assert check_builder(build_draft_tree, 16, 15, 100, "cpu", torch.float32) is None
 
     def wrong(logits, budget):  # a builder that drops the best node's token

@@ -34,9 +34,29 @@ def test_kernel_refuses_unsupported_shapes():
 
     from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported
 
-    assert supported(64, 15) and not supported(65, 15) and not supported(32, 17)
-    with pytest.raises(ValueError, match="budget 1..64"):
-        build_draft_tree_triton(torch.randn(1, 15, 1000), 128)
+    assert supported(256, 15) and not supported(257, 15) and not supported(32, 17)
+    with pytest.raises(ValueError, match="budget 1..256"):
+        build_draft_tree_triton(torch.randn(1, 15, 1000), 300)
+
+
+def test_tree_kernel_first_candidate_pass_fits_and_covers_the_beam():
+    """The kernel's first pass keeps, per beam entry of score rank r, its best min(K, B // (r+1))
+    tokens: for every B <= 256, K <= B and beam width w <= B that is at least the new beam's
+    width min(B, w K) (so its threshold exists) and at most the scratch capacity."""
+    pytest.importorskip("triton")
+    import torch
+
+    from ddtree_sglang.kernels.tree_build import MAX_BUDGET, candidate_capacity
+
+    for budget in range(1, MAX_BUDGET + 1):
+        ranks = torch.arange(budget)
+        ks = torch.arange(1, budget + 1)[:, None]                     # [K, 1]
+        per_rank = torch.minimum(ks, budget // (ranks + 1)[None, :])   # [K, r]
+        first_pass = per_rank.cumsum(1)                                # [K, w]: beam width w = r + 1
+        widths = torch.minimum(torch.full_like(first_pass, budget), (ranks + 1)[None, :] * ks)
+        assert bool((first_pass >= widths).all()), budget
+        capacity = torch.tensor([candidate_capacity(budget, int(k)) for k in ks.flatten()])
+        assert bool((first_pass[:, -1] <= capacity).all()), budget
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -85,3 +105,27 @@ def test_tree_attention_splits_the_prefix_for_two_waves_of_the_gpus_sms():
     assert prefix_splits(8, 8, 1) == 4            # 264 // 64
     assert prefix_splits(8, 8, 1, sms=188) == 5   # 376 // 64
     assert prefix_splits(8, 8, 3) == 1 and prefix_splits(64, 8, 1) == 1
+
+
+@pytest.mark.parametrize("arch", [90, 120])
+def test_tree_kernel_compiles_for_the_gpus_we_serve_on(arch):
+    """The fused tree kernel lowers to a cubin for Hopper and Blackwell (Triton's bundled
+    ptxas, no GPU) at depth 15 with the capacities and warps it launches with."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree_sglang.kernels import tree_build as tb
+
+    pointers = {"top_lp": "*fp32", "top_ids": "*i64", "beam_score": "*fp32", "beam_tok": "*i64",
+                "beam_par": "*i32", "cand_keys": "*i64", "rank_buf": "*i32", "slot_buf": "*i32",
+                "overflow": "*i32", "out_tok": "*i64", "out_par": "*i64", "out_depth": "*i64",
+                "out_score": "*fp32"}
+    for budget in (16, 64):
+        cp = tb.candidate_capacity(budget, budget)
+        const = dict(DEPTH=15, K=budget, B=budget, BP=budget, BL=16, CP=cp, JC=32)
+        sig = {n: "constexpr" if n in const else pointers[n] for n in tb._tree_kernel.arg_names}
+        compiled = triton.compile(ASTSource(tb._tree_kernel, sig, constexprs=const),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=tb.warps_for(cp)))
+        assert compiled.asm["cubin"], budget

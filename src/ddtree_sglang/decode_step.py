@@ -36,13 +36,16 @@ Builder = Callable[[torch.Tensor, int], DraftTree]
 
 
 # "auto" takes the fused kernel where it was timed faster than the PyTorch builder (budgets up
-# to 32: its per-depth sort grows as B^2) and the PyTorch builder elsewhere.
+# to 32, timed 2026-12-02 when it sorted all B^2 candidates a depth) and the PyTorch builder
+# elsewhere.  Since 2026-12-04 it sorts about B ln B candidates a depth and serves B <= 256
+# (SGLANG_DDTREE_TREE_KERNEL=triton); whether auto should go further awaits
+# `bash scripts/gpu_run.sh tree` on a GPU.
 AUTO_KERNEL_MAX_BUDGET = 32
 
 
 def select_builder(kernel: str, budget: int, depth: int) -> tuple[Builder, str]:
     """The tree builder for `kernel` ("auto", "triton" or "torch") and its name.  The fused
-    Triton kernel covers budget <= 64 and depth <= 16; anything else uses the exact PyTorch
+    Triton kernel covers budget <= 256 and depth <= 16; anything else uses the exact PyTorch
     builder, which it reproduces bit for bit."""
     if kernel in ("triton", "auto"):
         from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported

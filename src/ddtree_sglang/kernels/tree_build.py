@@ -1,4 +1,4 @@
-"""Fused Triton kernel for the draft-tree selection (B <= 64, depth <= 16), one program per
+"""Fused Triton kernel for the draft-tree selection (B <= 256, depth <= 16), one program per
 request.  Reference: ddtree_sglang.tree.build_draft_tree, which it reproduces exactly.
 
 The PyTorch builder spends its time launching two sorts and a few gathers per depth.  Here the
@@ -6,6 +6,20 @@ whole per-depth beam and the final best-first selection run in one program.  Tie
 like the reference (score desc, then depth, then lexicographic rank order) by sorting 63-bit
 keys that pack an order-preserving image of the float32 score above the complement of the
 candidate's index, so every key is distinct and the order is the reference's.
+
+Per depth the beam's w entries times the K tokens of the next position give w x K candidates,
+of which the best min(B, w x K) are kept.  Sorting all of them costs B^2 keys a depth (16,384
+at B = 128), so the kernel sorts far fewer, exactly:
+  1. A beam entry of score rank r (0 = best) can only contribute its best B // (r + 1) tokens:
+     the entries ranked above it, times its own better tokens, all score at least as much.
+     These candidates (at most sum_r B // (r + 1) ~ B ln B, e.g. 650 at B = 128) are sorted,
+     and the new beam's worst key among them is a threshold T.
+  2. The true best are all at or above T (T is the width-th best of a subset), so the kernel
+     gathers every candidate whose key reaches T (a row's keys fall as its token rank grows:
+     a prefix of each row) and sorts those.  Usually that is the same set; it differs only when
+     float32 rounding makes a lower-ranked entry's sum tie a higher one's, and then the second
+     pass picks up what step 1 missed.  Only if more than CP candidates reach T (never seen;
+     `overflow` reports it) would the beam be a different valid one, the output still lossless.
 """
 
 from __future__ import annotations
@@ -16,7 +30,7 @@ import triton.language as tl
 
 from ddtree_sglang.tree import DraftTree, check_budget, top_log_probs
 
-MAX_BUDGET = 64
+MAX_BUDGET = 256
 MAX_DEPTH = 16
 _IDX_BITS = 31
 
@@ -31,38 +45,93 @@ def _score_key(score, idx):
 
 
 @triton.jit
-def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, slot_buf,
-                 out_tok, out_par, out_depth, out_score,
+def _row_keys(prev, lp_d, lane, jj, K: tl.constexpr, BP: tl.constexpr):
+    """Keys of the candidates (beam lane i, token rank j) for a chunk of ranks jj: [BP, JC]."""
+    lp = tl.load(lp_d + jj, mask=jj < K, other=float("-inf"))
+    return _score_key(prev[:, None] + lp[None, :], lane[:, None] * BP + jj[None, :])
+
+
+@triton.jit
+def _gather_row_prefixes(prev, lp_d, n, ck_row, lane, K: tl.constexpr, BP: tl.constexpr,
+                         CP: tl.constexpr, JC: tl.constexpr):
+    """Pack the keys of row i's first n[i] candidates into ck_row (rows in lane order, at most
+    CP in all); returns how many there are (more than CP: the surplus was not written)."""
+    offs = tl.cumsum(n, 0) - n
+    for j0 in tl.static_range(0, BP, JC):
+        jj = j0 + tl.arange(0, JC)
+        pos = offs[:, None] + jj[None, :]
+        ok = (jj[None, :] < n[:, None]) & (pos < CP)
+        tl.store(ck_row + pos, _row_keys(prev, lp_d, lane, jj, K, BP), mask=ok)
+    return tl.sum(n, 0)
+
+
+@triton.jit
+def _count_reaching(prev, lp_d, rows_ok, threshold, lane, K: tl.constexpr, BP: tl.constexpr,
+                    JC: tl.constexpr):
+    """How many of each row's candidates have a key >= threshold (a prefix of the row)."""
+    n = tl.zeros([BP], tl.int32)
+    for j0 in tl.static_range(0, BP, JC):
+        jj = j0 + tl.arange(0, JC)
+        hit = (_row_keys(prev, lp_d, lane, jj, K, BP) >= threshold) & rows_ok[:, None] \
+            & (jj[None, :] < K)
+        n += tl.sum(hit.to(tl.int32), 1)
+    return n
+
+
+@triton.jit
+def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, rank_buf,
+                 slot_buf, overflow, out_tok, out_par, out_depth, out_score,
                  DEPTH: tl.constexpr, K: tl.constexpr, B: tl.constexpr, BP: tl.constexpr,
-                 BL: tl.constexpr):
+                 BL: tl.constexpr, CP: tl.constexpr, JC: tl.constexpr):
     b = tl.program_id(0)
     lane = tl.arange(0, BP)
+    cp_lane = tl.arange(0, CP)
     lp_row = top_lp + b * DEPTH * K
     id_row = top_ids + b * DEPTH * K
     bs_row = beam_score + b * BL * BP
     bt_row = beam_tok + b * BL * BP
     bp_row = beam_par + b * BL * BP
-    ck_row = cand_keys + b * BP * BP
+    ck_row = cand_keys + b * CP
+    rk_row = rank_buf + b * BP
+    overflowed = tl.zeros([], tl.int32)
 
     # Depth 1: the top-K tokens of position 1, already in rank (lexicographic) order.
-    width = min(B, K)
+    width = tl.zeros([], tl.int32) + min(B, K)
     valid = lane < width
     tl.store(bs_row + lane, tl.load(lp_row + lane, mask=valid, other=float("-inf")))
     tl.store(bt_row + lane, tl.load(id_row + lane, mask=valid, other=0))
     tl.store(bp_row + lane, tl.full([BP], -1, tl.int32))
     widths = tl.where(tl.arange(0, BL) == 0, width, 0)
-    for d in tl.static_range(1, DEPTH):
+    # a loop, not unrolled: the body's sorts compile once (unrolled over 15 depths, the
+    # TritonGPU passes took minutes at B >= 16)
+    for d in range(1, DEPTH):
         tl.debug_barrier()
-        prev = tl.load(bs_row + (d - 1) * BP + lane, mask=lane < width, other=float("-inf"))
-        lp_d = tl.load(lp_row + d * K + lane, mask=lane < K, other=float("-inf"))
-        cand = prev[:, None] + lp_d[None, :]
-        idx = lane[:, None] * BP + lane[None, :]
-        ok = (lane[:, None] < width) & (lane[None, :] < K)
-        keys = tl.where(ok, _score_key(cand, idx), -1)
-        keys = tl.sort(tl.reshape(keys, [BP * BP]), descending=True)
-        tl.store(ck_row + tl.arange(0, BP * BP), keys)
+        rows_ok = lane < width
+        prev = tl.load(bs_row + (d - 1) * BP + lane, mask=rows_ok, other=float("-inf"))
+        lp_d = lp_row + d * K
+        new_width = tl.minimum(width * K, B)
+        # score rank of every beam entry (score desc, lane asc: the candidates' own tie rule)
+        ranked = tl.sort(tl.where(rows_ok, _score_key(prev, lane), -1), descending=True)
+        tl.store(rk_row + (2147483647 - (ranked & 2147483647)), lane, mask=rows_ok)
         tl.debug_barrier()
-        new_width = min(B, width * K)
+        rank = tl.load(rk_row + lane, mask=rows_ok, other=0)
+        # 1. rank r's best B // (r + 1) tokens; the new beam's worst key among them
+        n = tl.where(rows_ok, tl.minimum(B // (rank + 1), K), 0)
+        total = _gather_row_prefixes(prev, lp_d, n, ck_row, lane, K, BP, CP, JC)
+        tl.debug_barrier()
+        keys = tl.sort(tl.load(ck_row + cp_lane, mask=cp_lane < total, other=-1),
+                       descending=True)
+        threshold = tl.max(tl.where(cp_lane == new_width - 1, keys, -1), 0)
+        tl.debug_barrier()
+        # 2. every candidate reaching it: the exact best new_width are among them
+        n = _count_reaching(prev, lp_d, rows_ok, threshold, lane, K, BP, JC)
+        total = _gather_row_prefixes(prev, lp_d, n, ck_row, lane, K, BP, CP, JC)
+        overflowed = tl.maximum(overflowed, (total > CP).to(tl.int32))
+        tl.debug_barrier()
+        keys = tl.sort(tl.load(ck_row + cp_lane, mask=cp_lane < tl.minimum(total, CP), other=-1),
+                       descending=True)
+        tl.store(ck_row + cp_lane, keys)
+        tl.debug_barrier()
         top = tl.load(ck_row + lane)  # the new_width best, best first
         chosen = 2147483647 - (top & 2147483647)
         chosen = tl.where(lane < new_width, chosen, 2147483647)
@@ -76,6 +145,7 @@ def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, slo
         tl.store(bp_row + d * BP + lane, w.to(tl.int32))
         width = new_width
         widths = tl.where(tl.arange(0, BL) == d, width, widths)
+    tl.store(overflow + b, overflowed)
     tl.debug_barrier()
 
     # Best-first selection over every depth's beam (depth-major = depth, then lexicographic).
@@ -106,8 +176,29 @@ def supported(budget: int, depth: int) -> bool:
     return 1 <= budget <= MAX_BUDGET and 1 <= depth <= MAX_DEPTH
 
 
-def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int) -> DraftTree:
-    """Same contract and result as tree.build_draft_tree, for budget <= 64 and depth <= 16."""
+def candidate_capacity(budget: int, k: int) -> int:
+    """Scratch keys per request and depth (a power of two): the largest first-pass candidate
+    set, sum over ranks r < B of min(K, B // (r + 1)), which is at least the new beam's width
+    (tests/test_kernels.py checks both on every B <= 256)."""
+    most = sum(min(k, budget // (r + 1)) for r in range(budget))
+    return max(2, triton.next_power_of_2(most))
+
+
+def warps_for(capacity: int) -> int:
+    """Warps per program: enough that the candidate sorts fit in registers (ptxas -v, sm_90,
+    depth 15: 4 warps spill nothing up to B = 64, 8 up to B = 128; B = 256 spills ~1 KB a
+    thread at 8 or 16)."""
+    return 4 if capacity <= 512 else 8 if capacity <= 1024 else 16
+
+
+def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int,
+                            overflow: torch.Tensor | None = None,
+                            beams: dict | None = None) -> DraftTree:
+    """Same contract and result as tree.build_draft_tree, for budget <= 256 and depth <= 16.
+    `overflow` ([batch] int32, optional): set to 1 for a request whose second pass had more
+    candidates than the scratch holds (see the module doc; its tree is then a valid other one).
+    `beams` (optional dict, for tests): receives the per-depth beams, "score" / "token" /
+    "parent" [batch, depth rows, lanes] in lexicographic order."""
     batch, depth, vocab = draft_logits.shape
     check_budget(budget, depth, vocab)
     if not supported(budget, depth):
@@ -117,17 +208,24 @@ def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int) -> DraftTre
     top_lp, top_ids = top_log_probs(draft_logits, k)
     bp = max(2, triton.next_power_of_2(budget))
     bl = max(2, triton.next_power_of_2(depth))
+    cp = candidate_capacity(budget, k)
     dev = draft_logits.device
     beam_score = torch.empty((batch, bl, bp), dtype=torch.float32, device=dev)
     beam_tok = torch.zeros((batch, bl, bp), dtype=torch.int64, device=dev)
     beam_par = torch.full((batch, bl, bp), -1, dtype=torch.int32, device=dev)
-    cand_keys = torch.empty((batch, bp * bp), dtype=torch.int64, device=dev)
+    cand_keys = torch.empty((batch, cp), dtype=torch.int64, device=dev)
+    rank_buf = torch.empty((batch, bp), dtype=torch.int32, device=dev)
     slot_buf = torch.full((batch, bl * bp), -1, dtype=torch.int32, device=dev)
+    if overflow is None:
+        overflow = torch.empty(batch, dtype=torch.int32, device=dev)
     tokens = torch.empty((batch, budget), dtype=torch.int64, device=dev)
     parents = torch.empty_like(tokens)
     depths = torch.empty_like(tokens)
     scores = torch.empty((batch, budget), dtype=torch.float32, device=dev)
     _tree_kernel[(batch,)](top_lp.contiguous(), top_ids.contiguous(), beam_score, beam_tok,
-                           beam_par, cand_keys, slot_buf, tokens, parents, depths, scores,
-                           DEPTH=depth, K=k, B=budget, BP=bp, BL=bl)
+                           beam_par, cand_keys, rank_buf, slot_buf, overflow, tokens, parents,
+                           depths, scores, DEPTH=depth, K=k, B=budget, BP=bp, BL=bl, CP=cp,
+                           JC=min(32, bp), num_warps=warps_for(cp))
+    if beams is not None:
+        beams.update(score=beam_score, token=beam_tok, parent=beam_par)
     return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores)
