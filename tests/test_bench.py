@@ -266,6 +266,17 @@ def test_arm_environment_is_checked_and_reaches_the_server():
         ("ddtree-b32-single", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"})]
 
 
+def test_cost_mode_env_reaches_every_ddtree_arm():
+    cfg = load_config(ROOT / "configs" / "h200_cost_tree_kernel_wide_qwen3_8b.yaml")
+    arms = {a.name: a for a in serve_bench.cost_arms(cfg)}
+    assert arms["ddtree-b128"].env == {"SGLANG_DDTREE_TREE_KERNEL": "triton"}
+    assert arms["dflash"].env == {} and arms["no-spec"].env == {}
+    from ddtree_sglang.bench.config import CostMode
+
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_TREE_KERNEL='fast' is not accepted"):
+        CostMode(env={"SGLANG_DDTREE_TREE_KERNEL": "fast"})
+
+
 def test_comma_list_arguments():
     import argparse
 

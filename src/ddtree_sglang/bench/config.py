@@ -84,12 +84,24 @@ class CostMode(_Strict):
                                                "split verify attention (arm ddtree-b<B>-split)")
     kernel_attention_budgets: list[int] = Field([], description="budgets also measured with the "
                                                 "tree-attention kernel (arm ddtree-b<B>-kernel)")
+    env: dict[str, str] = Field({}, description="DDTREE environment knobs for every DDTREE "
+                                "arm of the cost mode (e.g. SGLANG_DDTREE_TREE_KERNEL: triton); "
+                                "an attention variant arm's own knob wins")
     single_attention_budgets: list[int] = Field([], description="budgets also measured with "
                                                 "SGLang's single masked verify call (arm "
                                                 "ddtree-b<B>-single; the default is the kernel)")
     repeats: int = Field(1, ge=1, description="measure each (arm, batch) cell this many times; "
                          "the table shows the median and every run (one cell moved 8.5% between "
                          "two device calls, more than the 3% the overhead goal asks about)")
+
+    @field_validator("env")
+    @classmethod
+    def _known_knobs(cls, v: dict[str, str]) -> dict[str, str]:
+        from ddtree_sglang.sglang_plugin.server_args import check_env
+
+        for key, value in v.items():
+            check_env(key, value)  # DDTreeConfigError is a ValueError: a config error
+        return v
 
     @field_validator("batch_sizes", "budgets", "profile_batches", "split_attention_budgets",
                      "kernel_attention_budgets", "single_attention_budgets")

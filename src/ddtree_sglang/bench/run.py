@@ -205,10 +205,12 @@ def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, c
 
 
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
+    env = cfg.cost_mode.env
     return [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
-        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b) for b in cfg.cost_mode.budgets] + [
+        Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b, env=env)
+        for b in cfg.cost_mode.budgets] + [
         Arm(name=f"ddtree-b{b}-{variant}", algorithm="DDTREE", budget=b,
-            env={"SGLANG_DDTREE_VERIFY_ATTENTION": variant})
+            env={**env, "SGLANG_DDTREE_VERIFY_ATTENTION": variant})
         for variant, budgets in (("split", cfg.cost_mode.split_attention_budgets),
                                  ("kernel", cfg.cost_mode.kernel_attention_budgets),
                                  ("single", cfg.cost_mode.single_attention_budgets))
