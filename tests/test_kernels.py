@@ -59,40 +59,20 @@ def test_tree_kernel_first_candidate_pass_fits_and_covers_the_beam():
         assert bool((first_pass[:, -1] <= capacity).all()), budget
 
 
-def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
-    """Triton AOT signature: named pointer types, fp32 sm_scale, i32 strides, constexprs."""
-    types = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            types[name] = "constexpr"
-        elif name in pointers:
-            types[name] = pointers[name]
-        else:
-            types[name] = "fp32" if name == "sm_scale" else "i32"
-    return types
-
-
 @pytest.mark.parametrize("arch", [90, 120])  # H200 (Hopper) and RTX Pro 6000 (Blackwell)
 def test_tree_attention_compiles_for_the_gpus_we_serve_on(arch):
     """Ahead-of-time compilation to a cubin (Triton's bundled ptxas, no GPU needed): the
     kernels the interpreter checks also lower for real targets, in bf16 at Qwen3 shapes."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from ddtree_sglang.kernels import tree_attention as ta
+    from ddtree_sglang.kernels.aot import compile_for
 
-    bf16 = {n: "*bf16" for n in ("Q", "K_buf", "V_buf", "K_ext", "V_ext", "O")}
-    ints = {n: "*i64" for n in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_indices")}
-    pointers = {**bf16, **ints, "Mask": "*i1", "O_part": "*fp32", "L_part": "*fp32"}
-    target = GPUTarget("cuda", arch, 32)
     for block_m, warps in ta.WARPS.items():
         for kernel, splits in [(ta._prefix_kernel, 1), (ta._prefix_kernel, 8),
                                (ta._tree_merge_kernel, 8)]:
             const = dict(GROUP=4, SPLITS=splits, HEAD_DIM=128, BLOCK_D=128, BM=block_m,
                          BN=ta.BLOCK_N)
-            source = ASTSource(kernel, _signature(kernel, pointers, const), constexprs=const)
-            compiled = triton.compile(source, target=target, options=dict(num_warps=warps))
+            compiled, _ = compile_for(kernel, ta.AOT_POINTERS, const, arch, warps)
             assert compiled.asm["cubin"], (kernel.__name__, splits, block_m)
 
 
@@ -111,21 +91,12 @@ def test_tree_attention_splits_the_prefix_for_two_waves_of_the_gpus_sms():
 def test_tree_kernel_compiles_for_the_gpus_we_serve_on(arch):
     """The fused tree kernel lowers to a cubin for Hopper and Blackwell (Triton's bundled
     ptxas, no GPU) at depth 15 with the capacities and warps it launches with."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from ddtree_sglang.kernels import tree_build as tb
+    from ddtree_sglang.kernels.aot import compile_for
 
-    pointers = {"top_lp": "*fp32", "top_ids": "*i64", "beam_score": "*fp32", "beam_tok": "*i64",
-                "beam_par": "*i32", "cand_keys": "*i64", "rank_buf": "*i32", "slot_buf": "*i32",
-                "overflow": "*i32", "out_tok": "*i64", "out_par": "*i64", "out_depth": "*i64",
-                "out_score": "*fp32"}
     for budget in (16, 64):
-        cp = tb.candidate_capacity(budget, budget)
-        const = dict(DEPTH=15, K=budget, B=budget, BP=budget, BL=16, CP=cp, JC=32)
-        sig = {n: "constexpr" if n in const else pointers[n] for n in tb._tree_kernel.arg_names}
-        compiled = triton.compile(ASTSource(tb._tree_kernel, sig, constexprs=const),
-                                  target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=tb.warps_for(cp)))
+        const = tb.launch_constants(budget, budget, depth=15)
+        compiled, _ = compile_for(tb._tree_kernel, tb.AOT_POINTERS, const, arch,
+                                  tb.warps_for(const["CP"]))
         assert compiled.asm["cubin"], budget

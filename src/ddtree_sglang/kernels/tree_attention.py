@@ -40,6 +40,10 @@ BLOCK_N = 64   # keys per inner step (default)
 # benchmarks/verify_attention.py's kernel-* columns measure.
 WARPS = {64: 4, 128: 8}
 BLOCK_NS = (32, 64)
+# Pointer types of a bf16 verify, for ahead-of-time compilation (kernels/aot.py)
+AOT_POINTERS = {**{n: "*bf16" for n in ("Q", "K_buf", "V_buf", "K_ext", "V_ext", "O")},
+                **{n: "*i64" for n in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_indices")},
+                "Mask": "*i1", "O_part": "*fp32", "L_part": "*fp32"}
 WAVES = 2  # the split count aims at two waves of the GPU's SMs (264 programs on an H200)
 
 

@@ -176,6 +176,20 @@ def supported(budget: int, depth: int) -> bool:
     return 1 <= budget <= MAX_BUDGET and 1 <= depth <= MAX_DEPTH
 
 
+# Pointer types of the kernel's arguments, for ahead-of-time compilation (kernels/aot.py)
+AOT_POINTERS = {"top_lp": "*fp32", "top_ids": "*i64", "beam_score": "*fp32", "beam_tok": "*i64",
+                "beam_par": "*i32", "cand_keys": "*i64", "rank_buf": "*i32", "slot_buf": "*i32",
+                "overflow": "*i32", "out_tok": "*i64", "out_par": "*i64", "out_depth": "*i64",
+                "out_score": "*fp32"}
+
+
+def launch_constants(budget: int, k: int, depth: int) -> dict:
+    """The kernel's constexprs for a budget, K = min(budget, vocab) and a depth."""
+    bp = max(2, triton.next_power_of_2(budget))
+    return dict(DEPTH=depth, K=k, B=budget, BP=bp, BL=max(2, triton.next_power_of_2(depth)),
+                CP=candidate_capacity(budget, k), JC=min(32, bp))
+
+
 def candidate_capacity(budget: int, k: int) -> int:
     """Scratch keys per request and depth (a power of two): the largest first-pass candidate
     set, sum over ranks r < B of min(K, B // (r + 1)), which is at least the new beam's width
@@ -186,8 +200,8 @@ def candidate_capacity(budget: int, k: int) -> int:
 
 def warps_for(capacity: int) -> int:
     """Warps per program: enough that the candidate sorts fit in registers (ptxas -v, sm_90,
-    depth 15: 4 warps spill nothing up to B = 64, 8 up to B = 128; B = 256 spills ~1 KB a
-    thread at 8 or 16)."""
+    depth 15, benchmarks/results/tree_kernel_compile.md: 4 warps spill at most 12 bytes up to
+    B = 64, 8 warps nothing at B = 128; B = 256 spilled ~1 KB a thread at 8 or 16)."""
     return 4 if capacity <= 512 else 8 if capacity <= 1024 else 16
 
 
@@ -206,9 +220,8 @@ def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int,
                          f"1..{MAX_DEPTH}; got budget {budget}, depth {depth}")
     k = min(budget, vocab)
     top_lp, top_ids = top_log_probs(draft_logits, k)
-    bp = max(2, triton.next_power_of_2(budget))
-    bl = max(2, triton.next_power_of_2(depth))
-    cp = candidate_capacity(budget, k)
+    const = launch_constants(budget, k, depth)
+    bp, bl, cp = const["BP"], const["BL"], const["CP"]
     dev = draft_logits.device
     beam_score = torch.empty((batch, bl, bp), dtype=torch.float32, device=dev)
     beam_tok = torch.zeros((batch, bl, bp), dtype=torch.int64, device=dev)
@@ -224,8 +237,7 @@ def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int,
     scores = torch.empty((batch, budget), dtype=torch.float32, device=dev)
     _tree_kernel[(batch,)](top_lp.contiguous(), top_ids.contiguous(), beam_score, beam_tok,
                            beam_par, cand_keys, rank_buf, slot_buf, overflow, tokens, parents,
-                           depths, scores, DEPTH=depth, K=k, B=budget, BP=bp, BL=bl, CP=cp,
-                           JC=min(32, bp), num_warps=warps_for(cp))
+                           depths, scores, **const, num_warps=warps_for(cp))
     if beams is not None:
         beams.update(score=beam_score, token=beam_tok, parent=beam_par)
     return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores)
