@@ -420,3 +420,4 @@ def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
 
     why = internals.wrap_verify_attention(Other(), lambda *a: None, wrap)
     assert "Other, not triton" in why
+    assert internals.is_triton_attention(backend) and not internals.is_triton_attention(Other())

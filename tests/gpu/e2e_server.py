@@ -113,8 +113,7 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
         full = server.log_path.read_text(errors="ignore")
         res["ddtree_fallbacks"] = [line.split("DDTREE: ", 1)[1][:160]
                                    for line in full.splitlines()
-                                   if "DDTREE: " in line and ("not used" in line or "stays" in line)
-                                   and "not triton" not in line]  # the default on flashinfer
+                                   if "DDTREE: " in line and ("not used" in line or "stays" in line)]
         res["verify_attention"] = next((v for v in ("split", "kernel")
                                         if f"DDTREE verify attention: {v}" in full), "single")
         res["budget_log"] = [line.split("DDTREE ", 1)[1][:300] for line in full.splitlines()

@@ -311,14 +311,20 @@ def kv_move_buffers(allocator):
     return pool.data_ptrs, pool.data_strides, max_bytes
 
 
+def is_triton_attention(backend) -> bool:
+    """Whether a target attention backend is SGLang's Triton one (the only one whose extend
+    kernel the tree-verify attention variants replace)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    return isinstance(backend, TritonAttnBackend)
+
+
 def wrap_verify_attention(backend, check, wrap) -> str | None:
     """Replace the target Triton backend's extend kernel by `wrap(single, merge, signature)`
     (a tree-verify attention of verify_attention.VARIANTS: split or kernel) if `check(single,
     merge, signature)` accepts it on this GPU.  Returns why not (None when installed).  Must run
     before the target's CUDA graphs are captured: they record whichever function is called."""
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    if not isinstance(backend, TritonAttnBackend):
+    if not is_triton_attention(backend):
         return f"the target's attention backend is {type(backend).__name__}, not triton"
     single = getattr(backend, "extend_attention_fwd", None)
     if single is None:

@@ -162,17 +162,18 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         here."""
         super().init_attention_backends()
         variant = env_setting(VERIFY_ATTENTION_ENV)
+        backend = self.target_worker.model_runner.attn_backend
         if variant == "single":
             return
-        why = self._install_verify_attention(self.target_worker.model_runner.attn_backend,
-                                             variant)
+        if not (internals.is_triton_attention(backend) or os.environ.get(VERIFY_ATTENTION_ENV)):
+            if self.ps.tp_rank == 0:  # the default: it applies to the triton backend only
+                logger.info("DDTREE verify attention: %s's own", type(backend).__name__)
+            return
+        why = self._install_verify_attention(backend, variant)
         self._verify_attention = variant if why is None else "single"
         if self.ps.tp_rank == 0:
             if why is not None:
-                # asked for explicitly: a warning; the default on another backend: a note
-                level = logging.WARNING if os.environ.get(VERIFY_ATTENTION_ENV) else logging.INFO
-                logger.log(level, "DDTREE: verify attention stays a single masked call (%s)",
-                           why)
+                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
             elif variant == "split":
                 logger.info("DDTREE verify attention: split from %d requests a verify "
                             "(mask-free prefix + masked tree, merged by log-sum-exp)",
