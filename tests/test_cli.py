@@ -95,6 +95,9 @@ def test_reference_loop_refuses_output_past_the_positions():
     ("scripts/train_testbed.py", ["--soft-weight", "nan"], "expected a finite number"),
     ("benchmarks/tree_build.py", ["--depth", "0"], "argument --depth: expected a positive integer"),
     ("benchmarks/tree_build.py", [], "needs a CUDA GPU"),
+    ("benchmarks/tree_kernel_compile.py", ["--budgets", "999"], "999 is outside the kernel's 1..256"),
+    ("benchmarks/tree_kernel_compile.py", ["--kernel-file", "/nonexistent"], "/nonexistent: no such file"),
+    ("benchmarks/tree_attention_registers.py", ["--archs", "80"], "--archs: accepted 90 (H200) and 120"),
 ])
 def test_scripts_refuse_bad_input_in_one_line(script, argv, needle):
     proc = subprocess.run([sys.executable, str(ROOT / script), *argv], capture_output=True,
