@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ddtree_sglang.acceptance import accept_tree
+from ddtree_sglang.bench.gpu_timing import graph_replay_ms
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
 from ddtree_sglang.layout import build_verify_layout, full_mask
 from ddtree_sglang.reference.heap import heap_tree
@@ -35,27 +36,7 @@ def triton_build(logits, budget):
 
 def time_graph(fn, iters: int) -> float:
     """Median microseconds of one replay of `fn` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+    return graph_replay_ms(fn, iters) * 1000.0
 
 
 def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters: int,
@@ -80,11 +61,12 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
 
     gpu_us = time_graph(step, iters)
     build_us = time_graph(build_only, iters)
-    kernel_us = None
+    kernel_us, kernel_equal = None, None
     if triton_build(logits, budget) is not None:
+        # recorded, not raised: one differing case must not cost the rest of the call's timings
         ref, fused = build_draft_tree(logits, budget), triton_build(logits, budget)
-        if not (torch.equal(ref.tokens, fused.tokens) and torch.equal(ref.parents, fused.parents)):
-            raise AssertionError(f"Triton tree kernel differs from PyTorch at bs={batch} B={budget}")
+        kernel_equal = bool(torch.equal(ref.tokens, fused.tokens)
+                            and torch.equal(ref.parents, fused.parents))
         kernel_us = time_graph(lambda: triton_build(logits, budget), iters)
     lp = torch.log_softmax(logits.float(), -1)
     heap_times = []
@@ -98,7 +80,28 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
     return dict(batch=batch, budget=budget, depth=depth, vocab=vocab, ctx=ctx,
                 gpu_step_us=round(gpu_us, 1), gpu_build_us=round(build_us, 1),
                 triton_build_us=None if kernel_us is None else round(kernel_us, 1),
+                triton_equals_torch=kernel_equal,
                 cpu_heap_build_us=round(heap_us, 1), heap_over_gpu=round(heap_us / gpu_us, 1))
+
+
+def write(args, rows: list[dict]) -> str:
+    """The JSON and markdown table (after every row: a call cut short keeps what it timed)."""
+    meta = dict(date=str(date.today()), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, command="python benchmarks/tree_build.py " +
+                " ".join(f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
+                         for k, v in vars(args).items() if k != "out"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",
+             "", f"`{meta['command']}`", "",
+             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | Triton = PyTorch | CPU heap build (us) | heap / GPU step |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['budget']} | {r['gpu_step_us']} | {r['gpu_build_us']} | "
+              f"{r['triton_build_us'] if r['triton_build_us'] is not None else '-'} | "
+              f"{'-' if r['triton_equals_torch'] is None else r['triton_equals_torch']} | "
+              f"{r['cpu_heap_build_us']} | {r['heap_over_gpu']}x |" for r in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -123,21 +126,8 @@ def main() -> None:
                              args.heap_reps)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = dict(date=str(date.today()), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, command="python benchmarks/tree_build.py " +
-                " ".join(f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
-                         for k, v in vars(args).items() if k != "out"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",
-             "", f"`{meta['command']}`", "",
-             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | CPU heap build (us) | heap / GPU step |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['budget']} | {r['gpu_step_us']} | {r['gpu_build_us']} | "
-              f"{r['triton_build_us'] if r['triton_build_us'] is not None else '-'} | "
-              f"{r['cpu_heap_build_us']} | {r['heap_over_gpu']}x |" for r in rows]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            write(args, rows)
+    print(write(args, rows))
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import inspect
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
+from ddtree_sglang.bench.gpu_timing import graph_replay_ms
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
 
 
@@ -44,24 +44,7 @@ TILES = {"kernel-n32": dict(block_n=32), "kernel-w8": dict(num_warps=8),
 
 def time_ms(fwd, c: dict, iters: int) -> float:
     """Median time of one call, replayed from a CUDA graph (the server graphs its verifies)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm up outside the capture
-            fwd(**c)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd(**c)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return graph_replay_ms(lambda: fwd(**c), iters, warm_replays=0)
 
 
 def print_tables(rows: list[dict], layers: int) -> None:

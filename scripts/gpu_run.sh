@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call per phase, from the repository root on the GPU machine (carry .device):
 #   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
+#   bash scripts/gpu_run.sh micro   # dense-layer GEMMs by rows, tree build by budget, attention tiles (~9 min)
 #   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings, 5 tiles (~5 min)
 #   bash scripts/gpu_run.sh e2e     # real-server checks, 5 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
 #   ARMS=dflash,ddtree-b15,ddtree-b15-split bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
+#     (CONFIG=configs/h200_profile_wide_qwen3_8b.yaml: B = 32 / 127 / 128 at batch 1 and 8)
 #   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
 #   ARMS=dflash,ddtree-auto bash scripts/gpu_run.sh auto   # issue 13's serving run, in slices of arms
 # Results are written straight under $OUT (so a run cut short still returns them); server
@@ -24,6 +26,10 @@ case "${1:-}" in
              --batches 1,8,32,64 --budgets 16,32,64,128,256 --iters 100 --heap-reps 2 ;;
   kernel) timeout 180 python tests/tree_attention_interpret_check.py --device cuda 2>&1 | tail -5
          timeout 360 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -24 ;;
+  micro) timeout 120 python benchmarks/verify_gemm.py --out "$OUT/verify_gemm.json" | tail -20
+         timeout 200 python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
+             --batches 1,8,32,64 --budgets 16,32,64,128,256 --iters 50 --heap-reps 1 | tail -24
+         timeout 250 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -24 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
              --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
@@ -34,7 +40,7 @@ case "${1:-}" in
   cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_cost_qwen3_8b.yaml} \
              --out "$OUT/cost" ${ARMS:+--arms $ARMS}
          pack "$OUT/cost" ;;
-  profile) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_profile_qwen3_8b.yaml \
+  profile) timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_profile_qwen3_8b.yaml} \
              --out "$OUT/profile" ${ARMS:+--arms $ARMS}
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;
   auto)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed_auto.yaml \
@@ -42,5 +48,5 @@ case "${1:-}" in
          pack "$OUT/auto" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;
-  *)     echo "usage: bash scripts/gpu_run.sh tree|kernel|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
+  *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
 esac
