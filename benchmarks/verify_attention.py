@@ -12,9 +12,9 @@ kernel both verifies call on Hopper — outside the server, with identical prefi
                 (sglang_plugin/verify_attention.py: mask-free prefix + masked tree, merged)
     tree-33   : 33 query tokens, a random tree mask         (DDTREE, B = 32)
     kernel-16/17/33: the tree verifies by DDTREE's two-launch kernel (kernels/tree_attention.py:
-                split-KV prefix + masked tree in one online softmax), 64 query rows a program
-    kernel-<tile>-16/17/33: the same with other tiles (TILES below: 32 keys a step, 8 warps,
-                128 query rows a program = fewer prefix reads for trees of 17-32 tokens)
+                split-KV prefix + masked tree in one online softmax), its default tile
+    kernel-<tile>-16/17/33: the same with fixed tiles (TILES below: 64 or 32 keys a step, 8
+                warps, 128 query rows a program = fewer prefix reads for trees of 17-32 tokens)
 
 and checks that mask-16 gives the same output as chain-16 (the mask is laid out the way the
 backend reads it) and that the split and the kernel give the single masked call's output.
@@ -37,9 +37,13 @@ from ddtree_sglang.bench.gpu_timing import graph_replay_ms
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
 
 
-# kernel tiles timed beside the default one (64 query rows, 64 keys a step, 4 warps)
-TILES = {"kernel-n32": dict(block_n=32), "kernel-w8": dict(num_warps=8),
-         "kernel-bm128": dict(block_m=128), "kernel-bm128-n32": dict(block_m=128, block_n=32)}
+# kernel tiles timed beside the default one (kernel-16/17/33: kernels.tree_attention.default_tile,
+# 32 keys a step, 128 query rows for 65-128 grouped rows from batch 8 on, else 64)
+TILES = {"kernel-n64": dict(block_m=64, block_n=64),
+         "kernel-n32": dict(block_m=64, block_n=32),
+         "kernel-w8": dict(block_m=64, block_n=64, num_warps=8),
+         "kernel-bm128": dict(block_m=128, block_n=64),
+         "kernel-bm128-n32": dict(block_m=128, block_n=32)}
 
 
 def time_ms(fwd, c: dict, iters: int) -> float:

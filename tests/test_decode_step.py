@@ -63,7 +63,8 @@ def test_builder_choice_and_its_startup_check():
 
     assert select_builder("torch", 16, 15)[1] == "torch"
     assert select_builder("auto", 32, 15) == (build_draft_tree_triton, "triton")
-    assert select_builder("auto", 64, 15)[1] == "torch"     # not timed faster there
+    assert select_builder("auto", 128, 15)[1] == "triton"   # faster at every budget timed
+    assert select_builder("auto", 512, 15)[1] == "torch"    # beyond the kernel
     assert select_builder("triton", 64, 15)[1] == "triton"  # forced
     assert select_builder("triton", 256, 15)[1] == "triton"
     assert select_builder("triton", 512, 15)[1] == "torch"  # beyond the kernel: exact fallback

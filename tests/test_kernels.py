@@ -70,10 +70,27 @@ def test_tree_attention_compiles_for_the_gpus_we_serve_on(arch):
     for block_m, warps in ta.WARPS.items():
         for kernel, splits in [(ta._prefix_kernel, 1), (ta._prefix_kernel, 8),
                                (ta._tree_merge_kernel, 8)]:
+            # 32-key steps are the default tile (ta.default_tile), 64 stays selectable
+            block_n = ta.BLOCK_NS[0] if kernel is ta._tree_merge_kernel else ta.BLOCK_NS[splits > 1]
             const = dict(GROUP=4, SPLITS=splits, HEAD_DIM=128, BLOCK_D=128, BM=block_m,
-                         BN=ta.BLOCK_N)
+                         BN=block_n)
             compiled, _ = compile_for(kernel, ta.AOT_POINTERS, const, arch, warps)
-            assert compiled.asm["cubin"], (kernel.__name__, splits, block_m)
+            assert compiled.asm["cubin"], (kernel.__name__, splits, block_m, block_n)
+
+
+def test_tree_attention_default_tile_follows_the_h200_measurements():
+    """32 keys a step always; one 128-row block for a tree of 65-128 grouped rows from batch 8
+    on (read the prefix once), 64-row blocks at batch 1 or for other tree sizes."""
+    from ddtree_sglang.kernels.tree_attention import BLOCK_NS, WARPS, default_tile
+
+    assert default_tile(1, 64) == (64, 32) and default_tile(64, 64) == (64, 32)
+    assert default_tile(1, 68) == (64, 32)                        # batch 1: more programs
+    assert default_tile(8, 68) == (128, 32) and default_tile(64, 128) == (128, 32)
+    assert default_tile(8, 132) == (64, 32)                       # 33 tokens: 64-row blocks
+    for bs in (1, 8, 64):
+        for rows in (4, 64, 68, 128, 132, 516):
+            m, n = default_tile(bs, rows)
+            assert m in WARPS and n in BLOCK_NS
 
 
 def test_tree_attention_splits_the_prefix_for_two_waves_of_the_gpus_sms():

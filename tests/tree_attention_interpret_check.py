@@ -48,18 +48,23 @@ CASES = [([3], 5, 4, 2, 16, None), ([40, 0, 129], 17, 8, 2, 32, None),
          ([200, 7], 16, 4, 1, 16, 3), ([70], 33, 4, 4, 24, 5), ([0], 4, 2, 2, 16, 2),
          # one split: the fused single launch (prefix and tree in one program)
          ([40, 0, 129], 17, 8, 2, 32, 1), ([0, 3], 4, 2, 2, 16, 1),
-         # other tiles: 128-row blocks (33 queries x 4 heads = 132 rows), 32-key steps, 8 warps
-         ([90, 5], 33, 8, 2, 16, 3, dict(block_m=128)), ([90, 5], 33, 8, 2, 16, 1,
-         dict(block_m=128, block_n=32)), ([70, 33], 9, 8, 2, 16, 2, dict(block_n=32)),
-         ([70, 33], 9, 8, 2, 16, 1, dict(num_warps=8))]
+         # other tiles than the default (kernels.tree_attention.default_tile): 128-row blocks
+         # (33 queries x 4 heads = 132 rows), 64-key steps, 8 warps
+         ([90, 5], 33, 8, 2, 16, 3, dict(block_m=128, block_n=64)), ([90, 5], 33, 8, 2, 16, 1,
+         dict(block_m=128, block_n=32)), ([70, 33], 9, 8, 2, 16, 2, dict(block_n=64)),
+         ([70, 33], 9, 8, 2, 16, 1, dict(block_n=64, num_warps=8)),
+         # the default's 128-row block: 17 queries x 4 heads = 68 rows, 8 requests
+         ([11 * i for i in range(8)], 17, 8, 2, 16, 2)]
 # Qwen3-8B verify shapes (GPU only): batch 1 (many splits), 8, 64 (fused, one split)
 GPU_CASES = [([1000], 16, 32, 8, 128, None), ([300 + 97 * i for i in range(8)], 33, 32, 8, 128,
              None), ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None),
-             ([300 + 97 * i for i in range(8)], 33, 32, 8, 128, None, dict(block_m=128)),
+             ([300 + 97 * i for i in range(8)], 33, 32, 8, 128, None,
+              dict(block_m=128, block_n=64)),
              ([200 + 13 * i for i in range(64)], 17, 32, 8, 128, None,
               dict(block_m=128, block_n=32)),
-             ([1000], 16, 32, 8, 128, None, dict(block_n=32)),
-             ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None, dict(num_warps=8))]
+             ([1000], 16, 32, 8, 128, None, dict(block_n=64)),
+             ([200 + 13 * i for i in range(64)], 16, 32, 8, 128, None,
+              dict(block_n=64, num_warps=8))]
 
 
 def main() -> None:

@@ -35,22 +35,20 @@ __all__ = ["StepCommit", "VerifyLayout", "accept_stage", "check_accept_kernel", 
 Builder = Callable[[torch.Tensor, int], DraftTree]
 
 
-# "auto" takes the fused kernel where it was timed faster than the PyTorch builder (budgets up
-# to 32, timed 2026-12-02 when it sorted all B^2 candidates a depth) and the PyTorch builder
-# elsewhere.  Since 2026-12-04 it sorts about B ln B candidates a depth and serves B <= 256
-# (SGLANG_DDTREE_TREE_KERNEL=triton); whether auto should go further awaits
-# `bash scripts/gpu_run.sh tree` on a GPU.
-AUTO_KERNEL_MAX_BUDGET = 32
+# "auto" takes the fused kernel for every budget it serves (B <= 256): on an H200 it built the
+# same trees as the PyTorch builder and faster at every batch 1-64 and budget 16-256 timed
+# (benchmarks/results/h200_micro_2026-12-04: 0.12 vs 0.65 ms at batch 1, B = 16; 0.56 vs 1.19
+# ms at B = 128; 3.15 vs 7.73 ms at batch 64, B = 256).  "torch" pins the PyTorch builder.
 
 
 def select_builder(kernel: str, budget: int, depth: int) -> tuple[Builder, str]:
     """The tree builder for `kernel` ("auto", "triton" or "torch") and its name.  The fused
-    Triton kernel covers budget <= 256 and depth <= 16; anything else uses the exact PyTorch
-    builder, which it reproduces bit for bit."""
+    Triton kernel ("auto" and "triton" alike) covers budget <= 256 and depth <= 16; anything
+    else uses the exact PyTorch builder, which it reproduces bit for bit."""
     if kernel in ("triton", "auto"):
         from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported
 
-        if supported(budget, depth) and (kernel == "triton" or budget <= AUTO_KERNEL_MAX_BUDGET):
+        if supported(budget, depth):
             return build_draft_tree_triton, "triton"
     return build_draft_tree, "torch"
 

@@ -30,14 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64   # query rows (queries x grouped heads) per program (default)
-BLOCK_N = 64   # keys per inner step (default)
 # Tile shapes the kernel accepts (block_m: warps by default).  Each row block reads the whole
 # prefix once, so a tree of more than 64 rows (B >= 16 at 4 grouped heads) reads it twice or
-# more at 64 rows; 128-row blocks halve that at the price of registers.  Compiled for sm_90,
-# the default tile uses all 255 registers and spills ~1.2 KB per thread in the fused launch
-# (ptxas -v; 8 warps or 32-key steps spill almost nothing): which tile is fastest is what
-# benchmarks/verify_attention.py's kernel-* columns measure.
+# more at 64 rows; 128-row blocks halve that at the price of registers.  Compiled for sm_90, a
+# 64x64 tile uses all 255 registers and spills ~1.2 KB per thread in the fused launch (ptxas -v,
+# benchmarks/results/tree_attention_registers.md); 32-key steps spill almost nothing.
+# `default_tile` is what benchmarks/verify_attention.py measured fastest on the H200.
 WARPS = {64: 4, 128: 8}
 BLOCK_NS = (32, 64)
 # Pointer types of a bf16 verify, for ahead-of-time compilation (kernels/aot.py)
@@ -212,6 +210,20 @@ def prefix_splits(batch_size: int, kv_heads: int, row_blocks: int, sms: int = 13
     return max(1, min(32, WAVES * sms // max(1, programs)))
 
 
+def default_tile(batch_size: int, rows_per_kv_head: int) -> tuple[int, int]:
+    """(block_m, block_n) for a verify of `batch_size` requests whose tree has
+    `rows_per_kv_head` query rows per KV head (tree tokens x grouped heads).
+
+    Measured on an H200 (benchmarks/results/h200_micro_2026-12-04: Qwen3-8B heads, prefixes of
+    512 and 1,024, batch 1 / 8 / 64, trees of 16 / 17 / 33 tokens): 32-key steps beat 64-key
+    ones in 15 of 18 cells (by up to 36% at batch 64); a tree of 65-128 rows (17-32 tokens)
+    read by one 128-row block instead of two 64-row ones is faster from batch 8 on (the prefix
+    is read once), slower at batch 1 (half the programs).  Trees of 29-32 tokens were not timed:
+    the 128-row rule is interpolated from 17."""
+    block_m = 128 if 64 < rows_per_kv_head <= 128 and batch_size >= 8 else 64
+    return block_m, 32
+
+
 def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
                           v_extend: torch.Tensor, o_extend: torch.Tensor,
                           k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -219,20 +231,22 @@ def tree_verify_attention(q_extend: torch.Tensor, k_extend: torch.Tensor,
                           kv_indices: torch.Tensor, custom_mask: torch.Tensor,
                           mask_indptr: torch.Tensor, max_len_extend: int,
                           sm_scale: float, splits: int | None = None,
-                          block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                          block_m: int | None = None, block_n: int | None = None,
                           num_warps: int | None = None) -> torch.Tensor:
     """Tree-verify attention into `o_extend` ([tokens, heads, dim]); see the module doc.
     `custom_mask`/`mask_indptr`: SGLang's flat per-request [n_q, prefix + n_q] masks.
     Tile: `block_m` query rows per program (one of WARPS), `block_n` keys per step (one of
-    BLOCK_NS), `num_warps` (4 or 8; default WARPS[block_m])."""
-    if block_m not in WARPS or block_n not in BLOCK_NS or num_warps not in (None, 4, 8):
-        raise ValueError(f"tile block_m={block_m}, block_n={block_n}, num_warps={num_warps} "
-                         f"is not supported; accepted: block_m in {sorted(WARPS)}, block_n in "
-                         f"{list(BLOCK_NS)}, num_warps 4 or 8")
+    BLOCK_NS), `num_warps` (4 or 8; default WARPS[block_m]); unset: `default_tile`."""
     tokens, heads, dim = q_extend.shape
     kv_heads = k_extend.shape[1]
     group = heads // kv_heads
     bs = qo_indptr.shape[0] - 1
+    auto_m, auto_n = default_tile(bs, max_len_extend * group)
+    block_m, block_n = block_m or auto_m, block_n or auto_n
+    if block_m not in WARPS or block_n not in BLOCK_NS or num_warps not in (None, 4, 8):
+        raise ValueError(f"tile block_m={block_m}, block_n={block_n}, num_warps={num_warps} "
+                         f"is not supported; accepted: block_m in {sorted(WARPS)}, block_n in "
+                         f"{list(BLOCK_NS)}, num_warps 4 or 8")
     row_blocks = triton.cdiv(max_len_extend * group, block_m)
     splits = splits or prefix_splits(bs, kv_heads, row_blocks, _sm_count(q_extend.device))
     fused = splits == 1  # one program per row block does prefix and tree: one launch
