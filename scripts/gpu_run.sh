@@ -3,7 +3,7 @@
 #   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
 #   bash scripts/gpu_run.sh micro   # dense-layer GEMMs by rows, tree build by budget, attention tiles (~9 min)
 #   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings, 5 tiles (~5 min)
-#   bash scripts/gpu_run.sh e2e     # real-server checks, 5 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
+#   bash scripts/gpu_run.sh e2e     # real-server checks, 6 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
@@ -31,7 +31,7 @@ case "${1:-}" in
              --batches 1,8,32,64 --budgets 16,32,64,128,256 --iters 50 --heap-reps 1 | tail -24
          timeout 250 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -24 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
-             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton}
+             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton,plain_flashinfer}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
   rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;

@@ -291,6 +291,18 @@ def test_comma_list_arguments():
                           "--out", "/tmp/x", "--concurrency", "4,four"])
 
 
+def test_profile_stages_name_the_tree_attention_kernel_and_flashinfer_norms():
+    """DDTREE's own verify attention counts as attention; FlashInfer's fused RMSNorm (named
+    flashinfer::norm::...) as a norm, not as attention (profiles before 2026-12-04 did)."""
+    from ddtree_sglang.bench.profile import stage_of
+
+    assert stage_of("_prefix_kernel") == stage_of("_tree_merge_kernel") == "attention"
+    assert stage_of("_fwd_kernel") == "attention"
+    assert stage_of("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>") == "norms"
+    assert stage_of("fused_qknorm_warp<128l>") == "norms"
+    assert stage_of("_tree_kernel") == "tree (fused kernel)"
+
+
 def test_profile_kernel_table_from_a_trace(tmp_path):
     """Per-step kernel time, stage sums and the GPU idle time inside the profiled span."""
     import gzip

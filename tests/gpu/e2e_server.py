@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rescoring import teacher_force  # noqa: E402
+from rescoring import first_divergences, teacher_force  # noqa: E402
 from ddtree_sglang.bench.server import (Server, ServerSpec, get_json, post_json,  # noqa: E402
                                         stop_servers_on_sigterm)
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
@@ -191,6 +191,9 @@ def main() -> None:
                                     env={"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
+        # the reference of the flashinfer arms (same kernels, same bf16 rounding)
+        "plain_flashinfer": ServerSpec(target, "plain_flashinfer",
+                                       attention_backend="flashinfer"),
     }
     # Every arm's server starts at once (fixed KV pool, sleep on idle), so kernel compilation
     # and graph capture overlap; the arms are then checked one at a time.
@@ -218,18 +221,26 @@ def main() -> None:
     finally:
         for server in servers:
             server.stop()
-    plain = next((r for r in results if r["arm"].startswith("plain")), None)
     for r in results:
+        # the reference: plain SGLang on the arm's own attention backend when it ran, else on
+        # triton (different kernels round bf16 differently and may split at a near-tie)
+        backend = specs[r["arm"]].attention_backend
+        plain = next((q for q in results if q["arm"] == f"plain_{backend}"),
+                     next((q for q in results if q["arm"].startswith("plain")), None))
         if plain and plain.get("greedy_outputs") and r.get("greedy_outputs"):
+            r["plain_reference"] = plain["arm"]
             r["tokens_equal_to_plain"] = sum(
                 a == b for x, y in zip(r["greedy_outputs"], plain["greedy_outputs"])
                 for a, b in zip(x or [], y or []))
+            r["divergences"] = first_divergences(model, prompts, r["greedy_outputs"],
+                                                 plain["greedy_outputs"])
     write(args.out, results)
     summary = [summarize(r) for r in results]
     print("\n| arm | healthy after s (all started together) | openai | greedy not-argmax (>tol) / near-ties / tokens | "
           "sampled NLL vs entropy | mixed ok /24 | accept len | budget: greedy steps | "
-          "KV after flush | alive | leak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "KV after flush | alive | leak | equal to plain (reference) | first divergences: "
+          "float32 gaps |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         g, s = r.get("greedy_check", {}), r.get("sampling_check", {})
         print(f"| {r['arm']} | {r.get('healthy_after_s')} | {r.get('openai_completions')}/{r.get('openai_chat')} | "
@@ -237,7 +248,9 @@ def main() -> None:
               f"{s.get('mean_nll')} vs {s.get('mean_entropy')} | {r.get('mixed_ok')} | "
               f"{r.get('accept_length')} | {r.get('budget_steps')} | "
               f"{r.get('kv_tokens_after_flush')} | {r.get('alive_at_end')} | "
-              f"{r.get('leak_in_log')} | {r.get('error', '')[:200]}")
+              f"{r.get('leak_in_log')} | {r.get('tokens_equal_to_plain')} "
+              f"({r.get('plain_reference')}) | "
+              f"{[d['gap'] for d in r.get('divergences', [])]} | {r.get('error', '')[:200]}")
 
 
 if __name__ == "__main__":

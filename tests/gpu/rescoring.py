@@ -47,6 +47,26 @@ def teacher_force(model, prompts, outputs, tie_tol: float,
                 mean_nll=round(nll / max(n, 1), 4), mean_entropy=round(ent / max(n, 1), 4))
 
 
+@torch.no_grad()
+def first_divergences(model, prompts, outputs, reference, limit: int = 10) -> list[dict]:
+    """Where an arm's greedy outputs first leave the reference arm's, prompt by prompt (at
+    most `limit`): the position, both tokens, and `gap` = the target's float32 logit of the
+    reference's token minus the arm's, on the shared prefix.  A gap within the tie tolerance
+    means the two runs split at a near-tie (bf16 rounding), not at a wrong token."""
+    dev = next(model.parameters()).device
+    found = []
+    for i, (p, a, b) in enumerate(zip(prompts, outputs, reference)):
+        j = next((k for k, (x, y) in enumerate(zip(a or [], b or [])) if x != y), None)
+        if j is None:
+            continue
+        logits = model(torch.tensor([p + a[:j]], device=dev)).logits[0, -1].float()
+        found.append(dict(prompt=i, position=j, token=a[j], reference_token=b[j],
+                          gap=round(float(logits[b[j]] - logits[a[j]]), 4)))
+        if len(found) == limit:
+            break
+    return found
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0):
     """Pearson goodness of fit of observed counts to probabilities; bins expected below
     `min_expected` are pooled.  Returns (statistic, degrees of freedom, samples outside the

@@ -19,7 +19,11 @@ from pathlib import Path
 # (pattern on the kernel name, stage) - first match wins; what is left is "other".
 STAGES: list[tuple[str, str]] = [
     (r"memcpy|memset|Memcpy|Memset", "copies"),
-    (r"_fwd_kernel|extend_attention|attention|flash|fmha|decode_.*kv|_splitkv", "attention"),
+    # before "attention": FlashInfer's fused add + RMSNorm is named flashinfer::norm::...
+    (r"RMSNorm|rms_norm|rmsnorm|qknorm", "norms"),
+    # DDTREE's tree-attention kernel (kernels/tree_attention.py) is the verify's attention
+    (r"_fwd_kernel|extend_attention|attention|flash|fmha|decode_.*kv|_splitkv|_prefix_kernel"
+     r"|_tree_merge_kernel", "attention"),
     (r"nvjet|gemm|Gemm|cutlass|sm90_xmma|sm80_xmma|ampere_|hopper_|matmul|splitKreduce", "gemm"),
     (r"_tree_kernel|_score_key", "tree (fused kernel)"),
     (r"sort|Sort|topk|TopK|radix|bitonic|gatherTopK", "sort / top-k"),
