@@ -358,9 +358,17 @@ def test_budget_projection_joins_cost_runs_by_ratio_and_interpolates_tau(tmp_pat
              dict(arm="ddtree-b15-single", batch_size=1, step_ms=9.0)]
     second = [dict(arm="dflash", batch_size=1, step_ms=10.0),
               dict(arm="ddtree-b128-kernel", batch_size=1, step_ms=10.0)]
-    rows = projection.join_cost_runs([first, second], "kernel")
+    rows = projection.join_cost_runs([first, second], ["kernel"])
     assert sorted((r["arm"], r["step_ms"]) for r in rows) == [
         ("ddtree-b128", 8.0), ("ddtree-b15", 7.6), ("dflash", 8.0)]
+    # several variants: plain arms ("default") and -kernel ones; the first row of a budget wins
+    third = [dict(arm="dflash", batch_size=1, step_ms=5.0),
+             dict(arm="ddtree-b15", batch_size=1, step_ms=4.0),
+             dict(arm="ddtree-b127", batch_size=1, step_ms=6.0)]
+    both = projection.join_cost_runs([first, third], ["kernel", "default"])
+    assert sorted((r["arm"], r["step_ms"]) for r in both) == [
+        ("ddtree-b127", 9.6), ("ddtree-b15", 7.6), ("dflash", 8.0)]
+    assert [r["arm"] for r in projection.join_cost_runs([first])] == ["dflash"]  # default only
     assert projection.paper_tau(128) == 10.2
     assert projection.paper_tau(15) == round(8.6 + (9.3 - 8.6) * math.log2(15 / 16), 3)
     assert projection.paper_tau(90) == round(9.75 + 0.45 * math.log2(90 / 64), 3)

@@ -38,13 +38,16 @@ def paper_tau(budget: int) -> float | None:
     return round(PAPER_TAU[lo] + t * (PAPER_TAU[hi] - PAPER_TAU[lo]), 3)
 
 
-def join_cost_runs(runs: list[list[dict]], variant: str | None = None) -> list[dict]:
-    """Cost rows of several calls as one table of `dflash` and `ddtree-b<B>` rows.  With
-    `variant` (e.g. "kernel") the arms `ddtree-b<B>-<variant>` are taken, else plain
-    `ddtree-b<B>`; each DDTREE step is rescaled to the first call's DFLASH (see module doc)."""
-    pattern = re.compile(rf"ddtree-b(\d+){'-' + re.escape(variant) if variant else ''}")
+def join_cost_runs(runs: list[list[dict]], variants: list[str] | None = None) -> list[dict]:
+    """Cost rows of several calls as one table of `dflash` and `ddtree-b<B>` rows.  `variants`
+    name the arm suffixes to take: "kernel" takes `ddtree-b<B>-kernel`, "default" the plain
+    `ddtree-b<B>` (the default: only plain arms); a (budget, batch) met twice keeps its first
+    row.  Each DDTREE step is rescaled to the first call's DFLASH (see module doc)."""
+    suffixes = "|".join("" if v == "default" else "-" + re.escape(v)
+                        for v in (variants or ["default"]))
+    pattern = re.compile(rf"ddtree-b(\d+)(?:{suffixes})")
     reference: dict[int, float] = {}
-    rows = []
+    rows, seen = [], set()
     for cost_rows in runs:
         chain = {r["batch_size"]: r["step_ms"] for r in cost_rows
                  if r["arm"] == "dflash" and r.get("step_ms")}
@@ -55,7 +58,8 @@ def join_cost_runs(runs: list[list[dict]], variant: str | None = None) -> list[d
         for r in cost_rows:
             match = pattern.fullmatch(r["arm"])
             bs = r["batch_size"]
-            if match and r.get("step_ms") and bs in chain:
+            if match and r.get("step_ms") and bs in chain and (match.group(1), bs) not in seen:
+                seen.add((match.group(1), bs))
                 rows.append(dict(arm=f"ddtree-b{match.group(1)}", batch_size=bs,
                                  step_ms=round(r["step_ms"] / chain[bs] * reference[bs], 3)))
     return rows
@@ -118,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="project_budget", description=__doc__)
     ap.add_argument("--cost", type=Path, nargs="+", required=True,
                     help="cost-mode results.json files (several calls are joined by ratio)")
-    ap.add_argument("--variant", help="take the arms ddtree-b<B>-<variant> (e.g. kernel) "
-                    "instead of ddtree-b<B>")
+    ap.add_argument("--variant", nargs="+", default=["default"],
+                    help="arm suffixes to take: e.g. kernel = ddtree-b<B>-kernel, default = "
+                    "plain ddtree-b<B> (several: the first file's row of a budget and batch wins)")
     ap.add_argument("--out", type=Path, help="write the markdown table here")
     args = ap.parse_args(argv)
 
@@ -132,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise CliError(f"--cost {path}: not a readable cost-mode results.json ({exc})")
         rows = project(join_cost_runs(runs, args.variant))
         if not rows:
-            raise CliError(f"--cost: no batch size has both a dflash row and a DDTREE row "
-                           f"{'ddtree-b<B>-' + args.variant if args.variant else 'ddtree-b<B>'}")
+            raise CliError("--cost: no batch size has both a dflash row and a DDTREE row of "
+                           f"the variant(s) {', '.join(args.variant)} (arms ddtree-b<B> for "
+                           "default, ddtree-b<B>-<variant> otherwise)")
         md = markdown(rows, ", ".join(map(str, args.cost)))
         if args.out:
             args.out.write_text(md)
