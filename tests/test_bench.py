@@ -315,19 +315,31 @@ def test_profile_kernel_table_from_a_trace(tmp_path):
         dict(ph="X", cat="kernel", name="nvjet_tst_128x256", ts=20, dur=10),
         dict(ph="X", cat="kernel", name="at::native::sort_kernel", ts=25, dur=3),
         dict(ph="X", cat="cpu_op", name="aten::mm", ts=0, dur=100),  # host side: not counted
+        # host waits: two syncs and one pageable copy in the window; a launch is not a wait
+        dict(ph="X", cat="cuda_runtime", name="cudaStreamSynchronize", ts=16, dur=4),
+        dict(ph="X", cat="cuda_runtime", name="cudaStreamSynchronize", ts=31, dur=2),
+        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=19, dur=1),
+        dict(ph="X", cat="cuda_runtime", name="cudaMemcpyAsync", ts=15, dur=1),
+        dict(ph="X", cat="gpu_memcpy", name="Memcpy HtoD (Pageable -> Device)", ts=16, dur=1),
     ]
     path = tmp_path / "x.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     table = profile.kernel_table(profile.read_trace(path), steps=2)
-    assert table["span_ms"] == 0.015 and table["busy_ms"] == 0.0115
-    assert table["idle_ms"] == 0.0035  # 2 us between the first two kernels, 5 us before the third
-    assert table["stages"] == {"gemm": 0.01, "attention": 0.0015, "sort / top-k": 0.0015}
+    assert table["span_ms"] == 0.015 and table["busy_ms"] == 0.012
+    assert table["idle_ms"] == 0.003  # 1 us before the copy, 1 after, 1 before the third kernel
+    assert table["stages"] == {"gemm": 0.01, "attention": 0.0015, "sort / top-k": 0.0015,
+                               "copies": 0.0005}
+    assert table["host_waits"] == {
+        "calls": {"cudaStreamSynchronize": {"calls": 1.0, "ms": 0.003}},
+        "pageable_copies": 0.5}
     assert table["kernels"][0] == dict(name="nvjet_tst_128x256", stage="gemm", calls=1.0, ms=0.01)
     md = profile.markdown({"dflash@1": table}, "# t")
     assert "GPU idle inside the span" in md and "`nvjet_tst_128x256`" in md
+    assert "cudaStreamSynchronize 1.0 (0.003 ms); pageable copies 0.5" in md
     with pytest.raises(ValueError, match="no GPU kernels"):
-        profile.kernel_table(events[-1:], steps=1)
+        profile.kernel_table([e for e in events if e["cat"] != "kernel"
+                              and e["cat"] != "gpu_memcpy"], steps=1)
 
 
 def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):

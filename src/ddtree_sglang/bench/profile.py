@@ -101,11 +101,35 @@ def kernel_table(events: list[dict], steps: int, top: int = 25) -> dict:
         stages[stage] = stages.get(stage, 0.0) + total
     per = 1e-3 / steps  # us over the window -> ms per step
     return dict(
+        host_waits=host_waits(events, steps),
         steps=steps, span_ms=round((end - start) * per, 4), busy_ms=round(busy * per, 4),
         idle_ms=round((end - start - busy) * per, 4),
         stages={k: round(v * per, 4) for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
         kernels=[dict(name=name[:120], stage=stage_of(name), calls=round(calls / steps, 2),
                       ms=round(total * per, 4)) for total, calls, name in rows[:top]])
+
+
+# CUDA runtime calls that make the host wait for the GPU (or, for a pageable host->device copy,
+# for the copy): inside a decode step each one can leave the GPU idle while the host catches up.
+HOST_WAITS = r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy$" \
+             r"|cudaMemcpy2D$|cudaStreamWaitEvent_sync"
+
+
+def host_waits(events: list[dict], steps: int) -> dict:
+    """Per step: the CUDA runtime calls that block the host on the GPU (HOST_WAITS: calls and
+    ms by name) and the host<->device copies through pageable memory (calls; such a copy to
+    the device is synchronous for the host).  From the same trace as `kernel_table`."""
+    waits: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and \
+                re.search(HOST_WAITS, e.get("name", "")):
+            waits.setdefault(e["name"], []).append(float(e.get("dur", 0.0)))
+    pageable = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
+                   and "Pageable" in e.get("name", ""))
+    return dict(
+        calls={n: dict(calls=round(len(d) / steps, 2), ms=round(sum(d) * 1e-3 / steps, 4))
+               for n, d in sorted(waits.items())},
+        pageable_copies=round(pageable / steps, 2))
 
 
 def read_trace(path: Path) -> list[dict]:
@@ -126,6 +150,15 @@ def markdown(profiles: dict[str, dict], title: str) -> str:
     for s in stages:
         lines.append(f"| {s} | " + " | ".join(str(profiles[c]["stages"].get(s, 0.0))
                                              for c in cells) + " |")
+
+    def waits(c: str) -> str:
+        w = profiles[c].get("host_waits")
+        if w is None:
+            return "-"
+        calls = ", ".join(f"{n} {v['calls']} ({v['ms']} ms)" for n, v in w["calls"].items())
+        return f"{calls or 'none'}; pageable copies {w['pageable_copies']}"
+    lines.append("| host waits on the GPU (calls / step) | "
+                 + " | ".join(waits(c) for c in cells) + " |")
     for c in cells:
         lines += ["", f"### {c}: top kernels", "", "| kernel | stage | calls / step | ms / step |",
                   "|---|---|---|---|"]
