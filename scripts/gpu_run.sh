@@ -10,7 +10,8 @@
 #   ARMS=dflash,ddtree-b15,ddtree-b15-split bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
 #     (CONFIG=configs/h200_profile_wide_qwen3_8b.yaml: B = 32 / 127 / 128 at batch 1 and 8)
 #   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
-#   ARMS=dflash,ddtree-auto bash scripts/gpu_run.sh auto   # issue 13's serving run, in slices of arms
+#   CONC=1 GRAPH_BS=4 bash scripts/gpu_run.sh auto   # issue 13's serving run, one slice of
+#     concurrency levels per call, every arm side by side (configs/h200_testbed_auto.yaml)
 # Results are written straight under $OUT (so a run cut short still returns them); server
 # logs are packed into one tarball at the end (at most 8 files come back from $OUT).
 set -uo pipefail
@@ -44,7 +45,8 @@ case "${1:-}" in
              --out "$OUT/profile" ${ARMS:+--arms $ARMS}
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;
   auto)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed_auto.yaml \
-             --out "$OUT/auto" ${ARMS:+--arms $ARMS}
+             --out "$OUT/auto" ${ARMS:+--arms $ARMS} ${CONC:+--concurrency $CONC} \
+             ${GRAPH_BS:+--cuda-graph-max-bs $GRAPH_BS}
          pack "$OUT/auto" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;

@@ -152,6 +152,11 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     assert "3 arms x 2 replicas" in out and "16 requests at 2" in out
     assert out.count("CUDA_VISIBLE_DEVICES=0 python -m no_such_module") == 6
     assert "--speculative-num-draft-tokens 33" in out and not list(tmp_path.glob("logs"))
+    # a low-concurrency call may capture fewer graphs (faster start)
+    assert serve_bench.main(["--config", str(cfg), "--dry-run", "--concurrency", "1,2",
+                             "--cuda-graph-max-bs", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--cuda-graph-max-bs-decode 4") == 6 and "--max-running-requests 4" in out
 
 
 def test_missing_paths_are_named_before_anything_starts(tmp_path, capsys):
@@ -207,6 +212,39 @@ def test_cost_runs_merge_and_report_needed_gain(tmp_path):
     # a folder without results.json: one clear line
     assert serve_bench.main(["--config", str(cfg), "--out", str(tmp_path / "0"), "--report-only",
                              "--merge-from", str(tmp_path / "nothing")]) == 2
+
+
+def test_serving_run_split_by_concurrency_merges_and_judges_the_batch_aware_arm():
+    """Calls that each measured every arm at some concurrency levels merge cell by cell (not
+    arm by arm), rows of the later call carry its command, and the report sets ddtree-auto
+    against the best other speculative arm at each level."""
+    from ddtree_sglang.bench import report
+    from ddtree_sglang.bench.run import merge_results
+
+    def row(arm, algo, conc, tok_s):
+        return dict(arm=arm, algorithm=algo, budget=None, concurrency=conc, output_tok_s=tok_s,
+                    tpot_p50_ms=1, tpot_p90_ms=1, ttft_p50_ms=1, accept_length=None, errors=0)
+
+    def results(rows, command):
+        return dict(meta=dict(name="t", device="d", date="x", command=command, replicas=1,
+                              max_new_tokens=8, temperature=0.0, reference_arm=None),
+                    rows=rows, failures={})
+    low = results([row("dflash", "DFLASH", 1, 100.0), row("ddtree-b32", "DDTREE", 1, 130.0),
+                   row("ddtree-auto", "DDTREE", 1, 128.0), row("no-spec", None, 1, 500.0)],
+                  "run --concurrency 1")
+    high = results([row("dflash", "DFLASH", 8, 700.0), row("ddtree-b32", "DDTREE", 8, 600.0),
+                    row("ddtree-auto", "DDTREE", 8, 650.0),
+                    row("dflash", "DFLASH", 1, 999.0)],  # already in `low`: low's row stays
+                   "run --concurrency 8")
+    merged = merge_results(low, high)
+    cells = {(r["arm"], r["concurrency"]): r for r in merged["rows"]}
+    assert len(cells) == len(merged["rows"]) == 7
+    assert cells[("dflash", 1)]["output_tok_s"] == 100.0
+    assert cells[("ddtree-auto", 8)]["call"] == "run --concurrency 8"
+    md = report.markdown(merged)
+    assert "| 1 | 128.0 | ddtree-b32 | 130.0 | 0.985 | 1.280 | yes | this run |" in md
+    assert "| 8 | 650.0 | dflash | 700.0 | 0.929 | 0.929 | **no** | run --concurrency 8 |" in md
+    assert report.budget_verdict(low["rows"][:2]) == []  # no ddtree-auto arm: no section
 
 
 def test_cost_mode_checkpoints_load_strictly(tmp_path):

@@ -28,6 +28,7 @@ def markdown(results: dict) -> str:
                      f"{row['accept_length']} | {row['errors']} |"
                      + (f" {' / '.join(map(str, row.get('runs_tok_s', [])))} | "
                         f"{row.get('spread', '')} |" if repeated else ""))
+    lines += budget_verdict(results["rows"])
     if results.get("correctness"):
         lines += ["", "Greedy outputs against the no-speculation arm (same prompts):", "",
                   "| arm | identical | diverged | at a near-tie | not a tie |", "|---|---|---|---|---|"]
@@ -37,6 +38,39 @@ def markdown(results: dict) -> str:
     if results.get("failures"):
         lines += ["", "Arms that failed:", ""] + [f"- {k}: {v}" for k, v in results["failures"].items()]
     return "\n".join(lines) + "\n"
+
+
+# Issue 13's bar: the batch-aware budget within 3% of the best arm at every concurrency
+AUTO_ARM, AUTO_MARGIN = "ddtree-auto", 0.97
+
+
+def budget_verdict(rows: list[dict]) -> list[str]:
+    """Markdown lines: per concurrency, the batch-aware arm's tokens/s against the best other
+    arm's and DFLASH's measured at that concurrency (in the same call: a run split over calls
+    by concurrency keeps every level's arms side by side).  Empty without a ddtree-auto arm."""
+    levels = sorted({r["concurrency"] for r in rows if r["arm"] == AUTO_ARM})
+    if not levels:
+        return []
+    out = ["", f"Batch-aware budget (`{AUTO_ARM}`) against the best other arm at each "
+           f"concurrency (bar: >= {AUTO_MARGIN}x):", "",
+           "| concurrency | auto tok/s | best other arm | its tok/s | auto / best | auto / DFLASH "
+           "| >= bar | call |", "|---|---|---|---|---|---|---|---|"]
+    for c in levels:
+        at = {r["arm"]: r for r in rows if r["concurrency"] == c and r.get("output_tok_s")}
+        auto = at.get(AUTO_ARM)
+        others = [r for a, r in at.items() if a != AUTO_ARM and r.get("algorithm")]
+        if auto is None or not others:
+            continue
+        best = max(others, key=lambda r: r["output_tok_s"])
+        ratio = auto["output_tok_s"] / best["output_tok_s"]
+        dflash = next((r for r in others if r.get("algorithm") == "DFLASH"), None)
+        vs_chain = f"{auto['output_tok_s'] / dflash['output_tok_s']:.3f}" if dflash else ""
+        out.append(f"| {c} | {auto['output_tok_s']} | {best['arm']} | {best['output_tok_s']} | "
+                   f"{ratio:.3f} | {vs_chain} | {'yes' if ratio >= AUTO_MARGIN else '**no**'} | "
+                   f"{auto.get('call', 'this run')}"
+                   + (" (the best arm's: another call)" if best.get("call") != auto.get("call")
+                      else "") + " |")
+    return out
 
 
 def plots(results: dict, out_dir: Path) -> list[Path]:

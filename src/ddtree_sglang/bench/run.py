@@ -32,7 +32,7 @@ from ddtree_sglang.bench import client, compare, cost_mode, profile, report
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
-from ddtree_sglang.cli import CliError, Parser, positive_int_list, run
+from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
 
 
@@ -276,11 +276,15 @@ def profile_level(url: list[str], prompts, cm, bs: int, trace_dir: Path) -> dict
 
 
 def merge_results(a: dict, b: dict) -> dict:
-    """`a` plus the arms of `b` (arms measured in both keep `a`'s rows); the projection is
-    recomputed over all cost rows."""
+    """`a` plus the cells of `b` (a cell = arm x batch size or concurrency; cells measured in
+    both keep `a`'s row), so a run split over calls by arms or by levels becomes one table;
+    each row of `b` is tagged with `b`'s command.  The projection is recomputed over all cost
+    rows."""
     key = "cost_rows" if "cost_rows" in a else "rows"
-    have = {r["arm"] for r in a[key]}
-    rows = a[key] + [r for r in b.get(key, []) if r["arm"] not in have]
+    level = "batch_size" if key == "cost_rows" else "concurrency"
+    have = {(r["arm"], r.get(level)) for r in a[key]}
+    rows = a[key] + [dict(r, call=r.get("call", b["meta"]["command"])) for r in b.get(key, [])
+                     if (r["arm"], r.get(level)) not in have]
     out = dict(a, **{key: cost_mode.projection(rows) if key == "cost_rows" else rows})
     measured = {r["arm"] for r in rows}
     out["failures"] = {k: v for k, v in {**b.get("failures", {}), **a.get("failures", {})}.items()
@@ -367,6 +371,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")
     ap.add_argument("--concurrency", type=positive_int_list, help="override, e.g. 1,4,16")
     ap.add_argument("--gpus", type=positive_int_list, help="override the replica GPUs, e.g. 0,1,2,3")
+    ap.add_argument("--cuda-graph-max-bs", type=positive_int,
+                    help="override: capture decode / verify graphs only up to this batch size "
+                         "(a call that measures only low concurrency starts faster)")
     ap.add_argument("--arms", help="only these arm names, e.g. no-spec,ddtree-b32")
     ap.add_argument("--dry-run", action="store_true",
                     help="validate the config and print the plan; start nothing")
@@ -382,6 +389,8 @@ def _main(argv: list[str] | None) -> int:
             updates["concurrency"] = args.concurrency
         if args.gpus:
             updates["gpus"] = args.gpus
+        if args.cuda_graph_max_bs:
+            updates["cuda_graph_max_bs"] = args.cuda_graph_max_bs
         keep = args.arms.split(",") if args.arms else None
         if keep:
             names = [a.name for a in (cost_arms(cfg) if cfg.cost_mode.enabled else cfg.arms)]
