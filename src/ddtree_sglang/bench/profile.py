@@ -111,8 +111,7 @@ def kernel_table(events: list[dict], steps: int, top: int = 25) -> dict:
 
 # CUDA runtime calls that make the host wait for the GPU (or, for a pageable host->device copy,
 # for the copy): inside a decode step each one can leave the GPU idle while the host catches up.
-HOST_WAITS = r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy$" \
-             r"|cudaMemcpy2D$|cudaStreamWaitEvent_sync"
+HOST_WAITS = r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy)$"
 
 
 def host_waits(events: list[dict], steps: int) -> dict:
