@@ -15,10 +15,11 @@ at B = 128), so the kernel sorts far fewer, exactly:
      These candidates (at most sum_r B // (r + 1) ~ B ln B, e.g. 650 at B = 128) are sorted,
      and the new beam's worst key among them is a threshold T.
   2. The true best are all at or above T (T is the width-th best of a subset), so the kernel
-     gathers every candidate whose key reaches T (a row's keys fall as its token rank grows:
-     a prefix of each row) and sorts those.  Usually that is the same set; it differs only when
-     float32 rounding makes a lower-ranked entry's sum tie a higher one's, and then the second
-     pass picks up what step 1 missed.  Only if more than CP candidates reach T (never seen;
+     counts, per row, the candidates whose key reaches T (a row's keys fall as its token rank
+     grows: a prefix of each row).  Usually no row has more than step 1 took, and step 1's
+     sorted keys already start with the answer; a row has more only when float32 rounding
+     makes a lower-ranked entry's sum tie a higher one's, and then the kernel gathers every
+     candidate reaching T and sorts again, picking up what step 1 missed.  Only if more than CP candidates reach T (never seen;
      `overflow` reports it) would the beam be a different valid one, the output still lossless.
 """
 
@@ -123,13 +124,16 @@ def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, ran
                        descending=True)
         threshold = tl.max(tl.where(cp_lane == new_width - 1, keys, -1), 0)
         tl.debug_barrier()
-        # 2. every candidate reaching it: the exact best new_width are among them
-        n = _count_reaching(prev, lp_d, rows_ok, threshold, lane, K, BP, JC)
-        total = _gather_row_prefixes(prev, lp_d, n, ck_row, lane, K, BP, CP, JC)
-        overflowed = tl.maximum(overflowed, (total > CP).to(tl.int32))
-        tl.debug_barrier()
-        keys = tl.sort(tl.load(ck_row + cp_lane, mask=cp_lane < tl.minimum(total, CP), other=-1),
-                       descending=True)
+        # 2. every candidate reaching it: the exact best new_width are among them.  Only when a
+        # row has more of those than step 1 took is there anything new to sort; otherwise they
+        # are a subset of step 1's sorted keys, whose front is then already the answer.
+        reach = _count_reaching(prev, lp_d, rows_ok, threshold, lane, K, BP, JC)
+        if tl.max(reach - n, 0) > 0:
+            total = _gather_row_prefixes(prev, lp_d, reach, ck_row, lane, K, BP, CP, JC)
+            overflowed = tl.maximum(overflowed, (total > CP).to(tl.int32))
+            tl.debug_barrier()
+            keys = tl.sort(tl.load(ck_row + cp_lane, mask=cp_lane < tl.minimum(total, CP),
+                                   other=-1), descending=True)
         tl.store(ck_row + cp_lane, keys)
         tl.debug_barrier()
         top = tl.load(ck_row + lane)  # the new_width best, best first
