@@ -216,7 +216,7 @@ def default_tile(batch_size: int, rows_per_kv_head: int) -> tuple[int, int]:
 
     Measured on an H200 (benchmarks/results/h200_micro_2026-12-04: Qwen3-8B heads, prefixes of
     512 and 1,024, batch 1 / 8 / 64, trees of 16 / 17 / 33 tokens): 32-key steps beat 64-key
-    ones in 15 of 18 cells (by up to 36% at batch 64); a tree of 65-128 rows (17-32 tokens)
+    ones in 17 of 18 cells (by up to 36% at batch 64); a tree of 65-128 rows (17-32 tokens)
     read by one 128-row block instead of two 64-row ones is faster from batch 8 on (the prefix
     is read once), slower at batch 1 (half the programs).  Trees of 29-32 tokens were not timed:
     the 128-row rule is interpolated from 17."""
