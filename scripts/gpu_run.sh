@@ -21,6 +21,21 @@ OUT="${OUT:-/tmp/out}"
 LIMIT="${LIMIT:-560}"   # seconds; the script stops its servers on SIGTERM
 mkdir -p "$OUT"
 pkill -f sglang.launch_server 2>/dev/null || true   # nothing left from an earlier call
+# Triton kernels compiled by an earlier call (opt-in): with .tcache/triton_cache.tar.xz carried
+# (carry=[".device", ".tcache"]), servers skip most of the 1-1.5 min of kernel compilation a
+# fresh machine spends; SAVE_TRITON_CACHE=1 returns this call's cache (cubins and metadata
+# only) as $OUT/triton_cache.tar.xz.  Triton keys entries by source and target, so a stale
+# archive is only slower, never wrong.
+TRITON_CACHE="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+if [ -f .tcache/triton_cache.tar.xz ]; then
+    mkdir -p "$TRITON_CACHE" && tar -xJf .tcache/triton_cache.tar.xz -C "$TRITON_CACHE" \
+        && echo "triton cache: $(find "$TRITON_CACHE" -name '*.cubin' | wc -l) kernels restored"
+fi
+save_triton_cache() {
+    [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -d "$TRITON_CACHE" ] || return 0
+    (cd "$TRITON_CACHE" && find . -type f \( -name '*.cubin' -o -name '*.json' \) \
+        | tar -cJf "$OUT/triton_cache.tar.xz" -T -) && ls -l "$OUT/triton_cache.tar.xz"
+}
 pack() { [ -d "$1/logs" ] && tar czf "$1/logs.tgz" -C "$1" logs && rm -rf "$1/logs"; }
 case "${1:-}" in
   tree)  timeout "$LIMIT" python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
@@ -52,3 +67,6 @@ case "${1:-}" in
          pack "$OUT/pair" ;;
   *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
 esac
+rc=$?
+save_triton_cache
+exit $rc
