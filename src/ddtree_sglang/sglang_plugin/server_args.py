@@ -50,7 +50,9 @@ ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                # (cost run 6, 2026-12-04); single, SGLang's masked extend kernel, one call;
                # split, prefix + tree partial attentions merged by LSE from 32 requests
                # (verify_attention.py).  Other backends: always their own call.
-               VERIFY_ATTENTION_ENV: ("kernel", "single", "split")}
+               VERIFY_ATTENTION_ENV: ("kernel", "single", "split"),
+               # log the host's time per decode step by stage (host_timing.py): 0 off, 1 on
+               "SGLANG_DDTREE_HOST_TIMING": ("0", "1")}
 
 
 # The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):

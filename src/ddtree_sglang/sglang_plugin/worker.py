@@ -37,6 +37,7 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
+from ddtree_sglang.sglang_plugin.host_timing import HOST_TIMING_ENV, NoClock, StageClock
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import (VERIFY_ATTENTION_ENV, budgets_setting,
                                                      env_setting, explore_every_setting)
@@ -100,6 +101,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
         self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
         self._penalty_state: PenaltyState | None = None
+        self._clock = StageClock() if env_setting(HOST_TIMING_ENV) == "1" and \
+            self.ps.tp_rank == 0 else NoClock()
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ, and SGLang's eager path casts them to bfloat16.
         draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
@@ -290,6 +293,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         draft_input = batch.spec_info
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs = len(batch.seq_lens)
+        clock = self._clock
+        clock.start(bs)
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
@@ -302,9 +307,11 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         started = None if adaptive is None else adaptive.start_step()
 
         hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
+        clock.mark("draft")
         layout, depth_probs = unpack_tree_stage(self._tree_stage(
             hidden[:, 1:, :], draft_input.bonus_tokens.long(), batch.seq_lens.long()))
         layout = truncate_layout(layout, n)
+        clock.mark("tree")
 
         target_runner = self.target_worker.model_runner
         configured = internals.verify_runtime(target_runner)
@@ -316,6 +323,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                 batch=None, forward_batch=verify_fb, is_verify=True)
         finally:  # prefill and everything else see the configured width's runtime
             internals.set_verify_runtime(target_runner, configured)
+        clock.mark("verify")
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits
         penalties = self.penalty_state.params(batch.reqs)
@@ -333,6 +341,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         step = StepCommit(*self._accept_stage(layout.draft_tokens.view(bs, n),
                                               layout.tree_parents, layout.tree_depths, choice))
         commit_lens = step.commit_lens
+        clock.mark("sample + accept")
         if penalties is not None:
             self.penalty_state.commit(batch.req_pool_indices, step.tokens, commit_lens)
         new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
@@ -351,11 +360,12 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
             cache_loc_2d=front_loc, commit_lens=commit_lens)
         logits_output.hidden_states = None
+        clock.mark("commit")
         if adaptive is not None:
             adaptive.observe(bs, budget, started, depth_probs, commit_lens)
             internals.report_per_request(logits_output, "ddtree_budget", [budget] * bs)
 
-        return internals.GenerationBatchResult(
+        result = internals.GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=step.tokens.reshape(-1),
             accept_lens=commit_lens,
@@ -366,6 +376,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             new_seq_lens=new_seq_lens,
             extra_keep_alive_refs=[verify_fb, layout],
         )
+        clock.end()
+        return result
 
     def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
         """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
