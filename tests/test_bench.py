@@ -369,8 +369,11 @@ def test_profile_kernel_table_from_a_trace(tmp_path):
     assert table["stages"] == {"gemm": 0.01, "attention": 0.0015, "sort / top-k": 0.0015,
                                "copies": 0.0005}
     assert table["host_waits"] == {
-        "calls": {"cudaStreamSynchronize": {"calls": 1.0, "ms": 0.003}},
+        "recorded": True, "calls": {"cudaStreamSynchronize": {"calls": 1.0, "ms": 0.003}},
         "pageable_copies": 0.5}
+    kernels_only = profile.kernel_table([e for e in events if e["cat"] != "cuda_runtime"], 2)
+    assert kernels_only["host_waits"]["recorded"] is False
+    assert "runtime calls not in the trace" in profile.markdown({"a@1": kernels_only}, "# t")
     assert table["kernels"][0] == dict(name="nvjet_tst_128x256", stage="gemm", calls=1.0, ms=0.01)
     md = profile.markdown({"dflash@1": table}, "# t")
     assert "GPU idle inside the span" in md and "`nvjet_tst_128x256`" in md

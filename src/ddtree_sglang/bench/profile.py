@@ -119,13 +119,14 @@ def host_waits(events: list[dict], steps: int) -> dict:
     ms by name) and the host<->device copies through pageable memory (calls; such a copy to
     the device is synchronous for the host).  From the same trace as `kernel_table`."""
     waits: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and \
-                re.search(HOST_WAITS, e.get("name", "")):
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    for e in runtime:
+        if re.search(HOST_WAITS, e.get("name", "")):
             waits.setdefault(e["name"], []).append(float(e.get("dur", 0.0)))
     pageable = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
                    and "Pageable" in e.get("name", ""))
     return dict(
+        recorded=bool(runtime),  # no runtime calls in the trace at all: nothing can be said
         calls={n: dict(calls=round(len(d) / steps, 2), ms=round(sum(d) * 1e-3 / steps, 4))
                for n, d in sorted(waits.items())},
         pageable_copies=round(pageable / steps, 2))
@@ -155,6 +156,8 @@ def markdown(profiles: dict[str, dict], title: str) -> str:
         if w is None:
             return "-"
         calls = ", ".join(f"{n} {v['calls']} ({v['ms']} ms)" for n, v in w["calls"].items())
+        if not w.get("recorded", True):
+            calls = "runtime calls not in the trace"
         return f"{calls or 'none'}; pageable copies {w['pageable_copies']}"
     lines.append("| host waits on the GPU (calls / step) | "
                  + " | ".join(waits(c) for c in cells) + " |")
