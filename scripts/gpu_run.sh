@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call per phase, from the repository root on the GPU machine (carry .device):
 #   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
-#   bash scripts/gpu_run.sh micro   # dense-layer GEMMs by rows, tree build by budget, attention tiles (~9 min)
+#   bash scripts/gpu_run.sh micro   # dense-layer GEMMs by rows, tree build by budget, attention tiles (~5 min)
 #   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings, 5 tiles (~5 min)
 #   bash scripts/gpu_run.sh e2e     # real-server checks, 6 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
 #   ARMS=dflash,ddtree-b15,ddtree-b15-split bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
-#     (CONFIG=configs/h200_profile_wide_qwen3_8b.yaml: B = 32 / 127 / 128 at batch 1 and 8)
+#     (CONFIG=configs/h200_profile_wide_qwen3_8b.yaml: B = 32 / 64 / 127 / 128 at batch 1 and 8, host timing)
 #   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
 #   CONC=1 GRAPH_BS=4 bash scripts/gpu_run.sh auto   # issue 13's serving run, one slice of
 #     concurrency levels per call, every arm side by side (configs/h200_testbed_auto.yaml)
