@@ -39,12 +39,14 @@ def reference_beams(logits: torch.Tensor, budget: int) -> tuple[list, int]:
     return beams, misses
 
 
-def same_tree(logits: torch.Tensor, budget: int) -> int:
-    """Kernel == reference: the tree, and every depth's beam; returns the first-pass misses."""
+def same_tree(logits: torch.Tensor, budget: int, always_second_pass: bool = False) -> int:
+    """Kernel == reference: the tree, and every depth's beam; returns the first-pass misses.
+    `always_second_pass`: the kernel's benchmark variant that sorts every depth twice."""
     ref = build_draft_tree(logits, budget)
     overflow = torch.full((logits.shape[0],), -1, dtype=torch.int32)
     beams: dict = {}
-    out = build_draft_tree_triton(logits, budget, overflow=overflow, beams=beams)
+    out = build_draft_tree_triton(logits, budget, overflow=overflow, beams=beams,
+                                  always_second_pass=always_second_pass)
     for name in ("tokens", "parents", "depths"):
         assert torch.equal(getattr(ref, name), getattr(out, name)), (name, logits.shape, budget)
     assert torch.allclose(ref.scores, out.scores)
@@ -71,6 +73,10 @@ def main() -> None:
         misses += same_tree(torch.randn(4, 5, vocab, generator=g) * 1e-6, budget)  # near ties
         runs += 1
     assert misses > 0, "the near-tie cases no longer reach the kernel's second pass"
+    for bs, depth, vocab, budget in CASES[:3]:  # the benchmark's A/B variant builds the same
+        same_tree(torch.randn(bs, depth, vocab, generator=g) * 3, budget, always_second_pass=True)
+        same_tree(torch.randn(4, 5, 3, generator=g) * 1e-6, 8, always_second_pass=True)
+        runs += 2
     print("KERNEL OK", runs)
 
 
