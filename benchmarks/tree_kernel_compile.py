@@ -57,9 +57,8 @@ def main() -> None:
     for budget in args.budgets:
         if not tree_build.supported(budget, args.depth):
             raise CliError(f"--budgets: {budget} is outside the kernel's 1..{tree_build.MAX_BUDGET}")
-        const = tree_build.launch_constants(budget, budget, args.depth)
-        # an older kernel file may take fewer constexprs (e.g. none for the A/B switch)
-        const = {k: v for k, v in const.items() if k in module._tree_kernel.arg_names}
+        const = tree_build.launch_constants(budget, budget, args.depth)  # compile_for drops
+        # the constexprs an older kernel file does not take (e.g. the A/B switch)
         warps = tree_build.warps_for(const["CP"]) if args.kernel_file is None else 4
         compiled, seconds = compile_for(module._tree_kernel, tree_build.AOT_POINTERS, const,
                                         args.arch, warps)

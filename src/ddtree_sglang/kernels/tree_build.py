@@ -19,8 +19,9 @@ at B = 128), so the kernel sorts far fewer, exactly:
      grows: a prefix of each row).  Usually no row has more than step 1 took, and step 1's
      sorted keys already start with the answer; a row has more only when float32 rounding
      makes a lower-ranked entry's sum tie a higher one's, and then the kernel gathers every
-     candidate reaching T and sorts again, picking up what step 1 missed.  Only if more than CP candidates reach T (never seen;
-     `overflow` reports it) would the beam be a different valid one, the output still lossless.
+     candidate reaching T and sorts again, picking up what step 1 missed.  Only if more than
+     CP candidates reach T (never seen; `overflow` reports it) would the beam be a different
+     valid one, the output still lossless.
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
-
 
 class StageClock:
     """start(bs) at a decode step's entry, mark(stage) after each stage, end() at its exit;

@@ -42,6 +42,7 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
 
 
 VERIFY_ATTENTION_ENV = "SGLANG_DDTREE_VERIFY_ATTENTION"
+HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
 ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton"),
                # verify attention with the triton backend (first = default): kernel, DDTREE's
@@ -52,7 +53,7 @@ ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                # (verify_attention.py).  Other backends: always their own call.
                VERIFY_ATTENTION_ENV: ("kernel", "single", "split"),
                # log the host's time per decode step by stage (host_timing.py): 0 off, 1 on
-               "SGLANG_DDTREE_HOST_TIMING": ("0", "1")}
+               HOST_TIMING_ENV: ("0", "1")}
 
 
 # The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):

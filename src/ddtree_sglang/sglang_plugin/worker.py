@@ -37,10 +37,11 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import internals
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
-from ddtree_sglang.sglang_plugin.host_timing import HOST_TIMING_ENV, NoClock, StageClock
+from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.server_args import (VERIFY_ATTENTION_ENV, budgets_setting,
-                                                     env_setting, explore_every_setting)
+from ddtree_sglang.sglang_plugin.server_args import (HOST_TIMING_ENV, VERIFY_ATTENTION_ENV,
+                                                     budgets_setting, env_setting,
+                                                     explore_every_setting)
 from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
                                                           check_verify_attention)
 
