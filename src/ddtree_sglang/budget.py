@@ -13,8 +13,10 @@ times per (batch size, budget), measured by the engine.  `choose_budget` then ma
 
     batch committed tokens / step time
 
-over the budgets that have a cost.  The functions are batched tensor code without host
-synchronisation, so an engine can run them on the GPU and use the previous step's choice.
+over the budgets that have a cost.  The value side (`expected_by_depth*`, `DepthCalibration`) is
+batched tensor code without host synchronisation, so an engine computes it on the GPU; the
+choice itself compares a handful of numbers per step, so it takes plain floats on the host
+(no tensor ops: each small torch call costs microseconds where a tiny model's step is a few ms).
 `BudgetController` ties them together around one verify (its `choose` returns the cut tree,
 reading the choice on the host): the reference loop uses it as is.
 
@@ -102,16 +104,25 @@ class DepthCalibration:
         return (by_depth * self.ratio).sum(-1)
 
 
-def choose_budget(batch_size: int, expected_accepted: torch.Tensor,
-                  step_ms: torch.Tensor) -> torch.Tensor:
+def choose_budget(batch_size: int, expected_accepted, step_ms) -> int:
     """Index of the budget with the most committed tokens per millisecond.
 
     expected_accepted [K]: expected accepted draft tokens summed over the batch, per budget;
-    step_ms [K]: the step time of each budget at this batch size (inf = not available).  Each
-    request also commits its bonus token.  Ties go to the smaller budget (the first index).
-    """
-    rate = (expected_accepted + batch_size) / step_ms
-    return torch.argmax(rate)  # first maximum
+    step_ms [K]: the step time of each budget at this batch size (inf = not available); either
+    may be a sequence of floats or a 1-D tensor.  Each request also commits its bonus token.
+    Ties go to the smaller budget (the first index)."""
+    accepted = _floats(expected_accepted)
+    costs = _floats(step_ms)
+    best, best_rate = 0, float("-inf")
+    for i, (a, ms) in enumerate(zip(accepted, costs)):
+        rate = (a + batch_size) / ms
+        if rate > best_rate:
+            best, best_rate = i, rate
+    return best
+
+
+def _floats(x) -> list[float]:
+    return x.tolist() if isinstance(x, torch.Tensor) else [float(v) for v in x]
 
 
 class StepCosts:
@@ -143,8 +154,12 @@ class StepCosts:
 
     def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
         """[len(budgets)] step times at this batch size, inf where not measured."""
+        return torch.tensor(self.row_ms(batch_size, budgets))
+
+    def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
+        """row() as host floats (what a serving engine's per-step choice reads)."""
         measured = self.table[self.batch_row(batch_size)]
-        return torch.tensor([measured.get(b, float("inf")) for b in budgets])
+        return [measured.get(b, float("inf")) for b in budgets]
 
     def batch_row(self, batch_size: int) -> int:
         """The measured batch size whose costs stand for `batch_size`."""
@@ -194,12 +209,13 @@ class LiveStepCosts(StepCosts):
         self.rest_ms[key] = statistics.median(rest)
         self._cells.setdefault((key, budget), deque(maxlen=self.window)).append(step_ms)
 
-    def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
+    def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         key = self.batch_row(batch_size)
-        modelled = super().row(batch_size, budgets) + self._rest_of(key)
+        rest = self._rest_of(key)
+        modelled = [ms + rest for ms in super().row_ms(batch_size, budgets)]
         live = [self._cells.get((key, b), ()) for b in budgets]
-        return torch.tensor([statistics.median(c) if len(c) >= self.min_samples else float(m)
-                             for c, m in zip(live, modelled.tolist())])
+        return [statistics.median(c) if len(c) >= self.min_samples else m
+                for c, m in zip(live, modelled)]
 
     def _rest_of(self, key: int) -> float:
         """The remainder of batch row `key`, else of the nearest row with one (0 before any)."""
@@ -240,8 +256,8 @@ class BudgetController:
                              f"got {tree.budget} nodes")
         predicted = expected_by_depth(tree.scores, tree.depths, self.budgets, self.max_depth)
         expected = self.calibration.corrected(predicted.cpu())
-        index = int(choose_budget(tree.batch_size, expected,
-                                  self.costs.row(tree.batch_size, self.budgets)))
+        index = choose_budget(tree.batch_size, expected,
+                              self.costs.row_ms(tree.batch_size, self.budgets))
         return truncate_tree(tree, self.budgets[index])
 
     def observe(self, verified: DraftTree, accepted: torch.Tensor) -> None:

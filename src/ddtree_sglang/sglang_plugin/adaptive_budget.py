@@ -137,6 +137,8 @@ class AdaptiveBudget:
         self._expected = torch.zeros(len(budgets), device=device)  # per request, EMA
         self._seen = False
         self._lagged = LaggedHostCopy((len(budgets),), torch.float32)
+        self._expected_src: torch.Tensor | None = None  # the copy _expected_host came from
+        self._expected_host: list[float] = []
         self._timer = StepTimer()
         self._last_choice: dict[int, int] = {}  # cost row -> budget, for the log
         self.steps = dict.fromkeys(self.budgets, 0)
@@ -145,23 +147,30 @@ class AdaptiveBudget:
         """The budget for a decode batch of `bs` requests (host only; no GPU wait)."""
         for (batch, budget), ms in self._timer.finished():
             self.costs.observe(batch, budget, ms)
-        expected = self._lagged.latest()
+        expected = self._expected_per_request()
         if expected is None:  # nothing learned yet: the configured (largest) budget
             return self.budgets[-1]
         row = self.costs.batch_row(bs)
         self._row_steps[row] = self._row_steps.get(row, 0) + 1
         if self.explore_every and self._row_steps[row] % self.explore_every == 0:
             return self.costs.least_sampled(bs, self.budgets)
-        rates_index = int(choose_budget(bs, expected * bs, self.costs.row(bs, self.budgets)))
-        budget = self.budgets[rates_index]
+        step_ms = self.costs.row_ms(bs, self.budgets)
+        budget = self.budgets[choose_budget(bs, [e * bs for e in expected], step_ms)]
         if self._last_choice.get(row) != budget:
             self._last_choice[row] = budget
             logger.info("DDTREE budget: batch size %d -> B=%d (expected accepted per request "
                         "%s, step ms %s over budgets %s)", bs, budget,
-                        [round(float(x), 2) for x in expected],
-                        [round(float(x), 2) for x in self.costs.row(bs, self.budgets)],
+                        [round(x, 2) for x in expected], [round(x, 2) for x in step_ms],
                         self.budgets)
         return budget
+
+    def _expected_per_request(self) -> list[float] | None:
+        """The newest landed copy of the per-request expected acceptance, as host floats
+        (converted once per copy, not once per step)."""
+        value = self._lagged.latest()
+        if value is not None and value is not self._expected_src:
+            self._expected_src, self._expected_host = value, value.tolist()
+        return None if value is None else self._expected_host
 
     def start_step(self):
         return self._timer.start()
