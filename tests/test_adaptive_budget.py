@@ -4,7 +4,7 @@ import torch
 
 from ddtree_sglang.budget import LiveStepCosts
 from ddtree_sglang.sglang_plugin.adaptive_budget import (AdaptiveBudget, LaggedHostCopy,
-                                                         StepTimer, verify_costs)
+                                                         StepTimer, _HostMark, verify_costs)
 
 BUDGETS = [7, 15, 32]
 DEPTH = 4
@@ -33,8 +33,7 @@ def test_first_steps_use_the_configured_budget_then_the_best_rate():
     assert ab.choose(1) == 32 and ab.choose(64) == 32  # nothing learned yet
     expected = [2.0, 3.0, 3.5]
     for bs in (1, 64):  # a perfectly calibrated drafter: observed = predicted
-        start = ab.start_step()
-        ab.observe(bs, 32, start, depth_probs(bs, expected),
+        ab.observe(bs, 32, depth_probs(bs, expected),
                    torch.full((bs,), 5, dtype=torch.int32))
     learned = ab._lagged.latest()
     for bs in (1, 64):
@@ -48,7 +47,7 @@ def test_first_steps_use_the_configured_budget_then_the_best_rate():
 def test_calibration_lowers_an_overconfident_drafter():
     ab = make({8: {7: 10.0, 15: 10.5, 32: 11.0}})
     for _ in range(30):  # the drafter promises 4 tokens at every depth, requests accept 0
-        ab.observe(8, 32, None, depth_probs(8, [4.0, 4.0, 4.0]),  # untimed: the table decides
+        ab.observe(8, 32, depth_probs(8, [4.0, 4.0, 4.0]),  # untimed: the table decides
                    torch.ones(8, dtype=torch.int32))
     assert float(ab._lagged.latest().max()) < 0.05
     assert ab.choose(8) == 7  # nothing is accepted: the cheapest verify wins
@@ -60,9 +59,28 @@ def test_lagged_copy_and_timer_on_the_cpu():
     lag.push(torch.tensor([1.0, 2.0]))
     assert lag.latest().tolist() == [1.0, 2.0]
     timer = StepTimer()
-    timer.stop(("k",), timer.start())
+    timer.start(("a",))
+    assert timer.finished() == []  # a step is timed when the next one starts
+    timer.start(("b",))
     done = timer.finished()
-    assert [k for k, _ in done] == [("k",)] and done[0][1] >= 0.0 and timer.finished() == []
+    assert [k for k, _ in done] == [("a",)] and done[0][1] >= 0.0 and timer.finished() == []
+
+
+def test_step_time_is_start_to_next_start_and_other_work_breaks_it(monkeypatch):
+    """A step costs the period until the next decode step starts (host waits included); an
+    interval with a prefill in it is no step's cost."""
+    clock = iter([0.0, 0.005, 0.009, 0.020, 0.022]).__next__
+    monkeypatch.setattr(_HostMark, "__init__", lambda self: setattr(self, "t", clock()))
+    timer = StepTimer()
+    timer.cuda = False
+    timer.start((8, 32))   # t = 0
+    timer.start((8, 7))    # t = 5 ms: step (8, 32) took 5 ms
+    timer.start((8, 32))   # t = 9 ms: step (8, 7) took 4 ms
+    timer.interrupt()      # a prefill runs
+    timer.start((9, 32))   # t = 20 ms: not a step interval
+    timer.start((9, 32))   # t = 22 ms
+    got = [(k, round(ms, 6)) for k, ms in timer.finished()]
+    assert got == [((8, 32), 5.0), ((8, 7), 4.0), ((9, 32), 2.0)]
 
 
 def test_startup_costs_need_every_width_timed():
@@ -79,11 +97,11 @@ def test_statistics_are_updated_on_every_nth_step_only():
     ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.0, 32: 1.0}}),
                         "cpu", decay=0.5, stats_every=3)
     ones = torch.full((8,), 5, dtype=torch.int32)  # every request accepts 4 draft tokens
-    ab.observe(8, 32, ab.start_step(), depth_probs(8, [1.0, 2.0, 3.0]), ones)  # the first: kept
+    ab.observe(8, 32, depth_probs(8, [1.0, 2.0, 3.0]), ones)  # the first: kept
     first = ab._lagged.latest().clone()
-    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.0, 0.0, 0.0]), ones)  # skipped
+    ab.observe(8, 32, depth_probs(8, [0.0, 0.0, 0.0]), ones)  # skipped
     assert torch.equal(ab._lagged.latest(), first)
-    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.0, 0.0, 0.0]), ones)  # 3rd: kept
+    ab.observe(8, 32, depth_probs(8, [0.0, 0.0, 0.0]), ones)  # 3rd: kept
     assert not torch.equal(ab._lagged.latest(), first)
     assert ab.steps[32] == 3  # every step is counted and timed
 
@@ -92,17 +110,32 @@ def test_exploration_measures_every_candidate():
     runtimes = {b + 1: (None, None) for b in BUDGETS}
     ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}),
                         "cpu", stats_every=1, explore_every=4)
-    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.5, 1.0, 3.0]),
+    ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     picks = [ab.choose(8) for _ in range(12)]
     assert picks[3] == 7 and picks[7] == 7  # never chosen on merit, so the least measured
     assert [p for i, p in enumerate(picks) if i % 4 != 3] == [32] * 9
 
 
+def test_exploration_refreshes_the_stalest_cell_once_windows_are_full():
+    """Full windows tie on count: exploring the least recently measured budget keeps every
+    cell fresh (ties going to the smallest budget left a wide budget's early, slow samples
+    in place for good on the H200 testbed run of 2026-12-05)."""
+    costs = LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}, window=2, min_samples=1,
+                          skip_first=0)
+    for b in (32, 7, 15, 7, 15, 32):
+        costs.observe(8, b, 3.0)
+    assert costs.least_sampled(8, BUDGETS) == 7  # all full: 7 was measured longest ago
+    costs.observe(8, 7, 3.0)
+    assert costs.least_sampled(8, BUDGETS) == 15
+    costs.observe(8, 15, 3.0)
+    assert costs.least_sampled(8, BUDGETS) == 32
+
+
 def test_exploration_can_be_turned_off():
     runtimes = {b + 1: (None, None) for b in BUDGETS}
     ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}),
                         "cpu", stats_every=1, explore_every=0)
-    ab.observe(8, 32, ab.start_step(), depth_probs(8, [0.5, 1.0, 3.0]),
+    ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     assert [ab.choose(8) for _ in range(40)] == [32] * 40

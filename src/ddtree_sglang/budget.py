@@ -194,6 +194,7 @@ class LiveStepCosts(StepCosts):
         self._rest: dict[int, deque] = {}
         self._cells: dict[tuple[int, int], deque] = {}
         self._seen: dict[tuple[int, int], int] = {}
+        self._last: dict[tuple[int, int], int] = {}  # cell -> index of its latest live step
         self.rest_ms: dict[int, float] = {}
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
@@ -208,6 +209,7 @@ class LiveStepCosts(StepCosts):
         rest.append(max(step_ms - verify, 0.0))
         self.rest_ms[key] = statistics.median(rest)
         self._cells.setdefault((key, budget), deque(maxlen=self.window)).append(step_ms)
+        self._last[(key, budget)] = sum(self._seen.values())
 
     def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         key = self.batch_row(batch_size)
@@ -226,11 +228,13 @@ class LiveStepCosts(StepCosts):
         return self.rest_ms[min(self.rest_ms, key=lambda k: (abs(k - key), k))]
 
     def least_sampled(self, batch_size: int, budgets: list[int]) -> int:
-        """The measured budget of this batch row with the fewest live steps (the smallest on
-        ties)."""
+        """The measured budget of this batch row to explore: the one with the fewest live
+        steps, and among full windows the one measured longest ago (so no cell's median
+        goes stale while another is refreshed), the smallest on ties."""
         key = self.batch_row(batch_size)
         known = [b for b in budgets if b in self.table[key]]
-        return min(known, key=lambda b: (len(self._cells.get((key, b), ())), b))
+        return min(known, key=lambda b: (len(self._cells.get((key, b), ())),
+                                         self._last.get((key, b), -1), b))
 
 
 class BudgetController:

@@ -10,7 +10,8 @@ What the worker gets from here, per step:
   * `observe(...)` after the acceptance walk, on the GPU: the calibration learns observed over
     predicted acceptance, and the per-request expected acceptance of every candidate is
     refreshed for a later step's choice;
-  * step timing with CUDA events, read back once they completed, which refines the cost table.
+  * step timing with CUDA events from one decode step's start to the next's (the period that
+    sets throughput, host waits included), read back once completed: it refines the costs.
 
 Costs: the verify pass of every (captured batch size, candidate width) is timed at startup by
 replaying its graph; what the rest of a step costs is learned per batch size from live steps,
@@ -83,13 +84,22 @@ class _HostMark:
 
 
 class StepTimer:
-    """Timings of whole decode steps by CUDA events, collected once the GPU has run them (no
-    waiting); host clocks where there is no GPU."""
+    """What a decode step really costs: the GPU time from its start to the next decode step's
+    start (CUDA events, read back once the GPU has run them; no waiting).
+
+    That interval holds the step's own kernels and whatever the GPU then waited for the host
+    to launch the next step, so it is the period that sets throughput whether the GPU or the
+    host is the bottleneck.  (Timing a step's kernels alone missed the host: on the testbed
+    pair a decode iteration took 5-13 ms while its kernels took 2.5, so budgets that differ
+    by a fraction of a millisecond on the GPU looked 5-10% apart when the host made them equal.)
+    An interval with other GPU work in it (a prefill, an idle batch) is dropped: `interrupt()`
+    ends the chain.  Host clocks where there is no GPU (tests)."""
 
     def __init__(self, max_pending: int = 256) -> None:
         self._pending: deque = deque()
         self.max_pending = max_pending
         self.cuda = torch.cuda.is_available()
+        self._open: tuple | None = None  # (key, mark) of the last step started
 
     def _mark(self):
         if not self.cuda:
@@ -98,13 +108,16 @@ class StepTimer:
         event.record()
         return event
 
-    def start(self):
-        return self._mark()
+    def start(self, key: tuple) -> None:
+        """A decode step of `key` starts: the previous one (if its chain is unbroken) ends."""
+        mark = self._mark()
+        if self._open is not None and len(self._pending) < self.max_pending:
+            self._pending.append((*self._open, mark))
+        self._open = (key, mark)
 
-    def stop(self, key: tuple, start) -> None:
-        end = self._mark()
-        if len(self._pending) < self.max_pending:
-            self._pending.append((key, start, end))
+    def interrupt(self) -> None:
+        """Other GPU work runs before the next decode step: the open interval is not a step."""
+        self._open = None
 
     def finished(self) -> list[tuple[tuple, float]]:
         done = []
@@ -172,16 +185,18 @@ class AdaptiveBudget:
             self._expected_src, self._expected_host = value, value.tolist()
         return None if value is None else self._expected_host
 
-    def start_step(self):
-        return self._timer.start()
+    def start_step(self, bs: int, budget: int) -> None:
+        """A decode step of `bs` requests verifying `budget` starts (times the one before)."""
+        self._timer.start((bs, budget))
 
-    def observe(self, bs: int, budget: int, start,
-                depth_probs: torch.Tensor, commit_lens: torch.Tensor) -> None:
+    def interrupt(self) -> None:
+        """A forward other than a decode step runs (prefill, idle): not part of a step."""
+        self._timer.interrupt()
+
+    def observe(self, bs: int, budget: int, depth_probs: torch.Tensor,
+                commit_lens: torch.Tensor) -> None:
         """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
-        predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus;
-        start: the step's start_step() mark (None: the step is not timed)."""
-        if start is not None:
-            self._timer.stop((bs, budget), start)
+        predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
         self.steps[budget] += 1
         self._observed += 1
         if self._observed % self.stats_every and self._seen:

@@ -284,6 +284,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
                 batch.forward_mode.is_idle():
+            if self._adaptive is not None:
+                self._adaptive.interrupt()
             result = super().forward_batch_generation(batch, on_publish, grammar_barrier)
             if not batch.forward_mode.is_idle() and result.next_token_ids is not None:
                 self.penalty_state.on_prefill(batch.reqs, result.next_token_ids)
@@ -305,7 +307,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         adaptive = self._adaptive
         budget = self.budget if adaptive is None else adaptive.choose(bs)
         n = budget + 1  # this step's verify width
-        started = None if adaptive is None else adaptive.start_step()
+        if adaptive is not None:
+            adaptive.start_step(bs, budget)
 
         hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
         clock.mark("draft")
@@ -363,7 +366,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         logits_output.hidden_states = None
         clock.mark("commit")
         if adaptive is not None:
-            adaptive.observe(bs, budget, started, depth_probs, commit_lens)
+            adaptive.observe(bs, budget, depth_probs, commit_lens)
             internals.report_per_request(logits_output, "ddtree_budget", [budget] * bs)
 
         result = internals.GenerationBatchResult(
