@@ -3,6 +3,7 @@ correctness comparison, reports, server shutdown, config errors."""
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -242,8 +243,11 @@ def test_serving_run_split_by_concurrency_merges_and_judges_the_batch_aware_arm(
     assert cells[("dflash", 1)]["output_tok_s"] == 100.0
     assert cells[("ddtree-auto", 8)]["call"] == "run --concurrency 8"
     md = report.markdown(merged)
-    assert "| 1 | 128.0 | ddtree-b32 | 130.0 | 0.985 | 1.280 | yes | this run |" in md
-    assert "| 8 | 650.0 | dflash | 700.0 | 0.929 | 0.929 | **no** | run --concurrency 8 |" in md
+    assert "| 1 | 128.0 | ddtree-b32 | 130.0 | 0.985 | 1.280 | yes |  | this run |" in md
+    assert "| 8 | 650.0 | dflash | 700.0 | 0.929 | 0.929 | **no** |  | run --concurrency 8 |" in md
+    high["rows"][1]["steady_tok_s"], high["rows"][2]["steady_tok_s"] = 640.0, 660.0
+    md = report.markdown(merge_results(low, high))  # steady state where measured
+    assert "| **no** | 1.031 (ddtree-b32) | run --concurrency 8 |" in md
     assert report.budget_verdict(low["rows"][:2]) == []  # no ddtree-auto arm: no section
 
 
@@ -441,18 +445,59 @@ def test_budget_projection_joins_cost_runs_by_ratio_and_interpolates_tau(tmp_pat
 
 
 def test_cells_repeat_and_run_to_their_minimum(tmp_path, fake_env):
-    """Warm-up per cell, rounds until the minimum number of requests, three measurements with
-    the median in the row and the spread reported."""
+    """Warm-up per cell, a sustained load until the minimum number of requests, three
+    measurements with the median in the row and the spread reported."""
     out = tmp_path / "res"
     cfg = write_config(tmp_path, gpus=[0], arms=[{"name": "dflash", "algorithm": "DFLASH"}],
                        concurrency=[2], requests_per_level=4, min_cell_requests=10, repeats=3,
                        warmup_per_cell=True)
     assert serve_bench.main(["--config", str(cfg), "--out", str(out)]) == 0
     row = json.loads((out / "results.json").read_text())["rows"][0]
-    assert row["requests"] == 12  # rounds of 4 until >= 10
+    assert row["requests"] == 10  # sent until 10, two in flight throughout
     assert len(row["runs_tok_s"]) == 3 and sorted(row["runs_tok_s"])[1] == row["output_tok_s"]
+    assert len(row["runs_steady_tok_s"]) == 3
     assert row["spread"] is not None and row["spread"] >= 0
     assert "| spread |" in (out / "results.md").read_text()
+
+
+def test_sustained_load_keeps_the_concurrency_until_done():
+    from ddtree_sglang.bench import client
+
+    state = dict(now=0, peak=0)
+    lock = __import__("threading").Lock()
+
+    def fake_send(url, ids, params):
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        time.sleep(0.01)
+        with lock:
+            state["now"] -= 1
+        return [1, 2, 3], 0.002, 0.01, {}
+
+    old = client.ENDPOINTS["native"]
+    client.ENDPOINTS["native"] = fake_send
+    try:
+        res, wall, drain_at = client.run_sustained(["u"], [[1]], {}, 3, lambda s, k: k >= 20)
+    finally:
+        client.ENDPOINTS["native"] = old
+    assert len(res) == 20 and state["peak"] == 3 and 0 < drain_at <= wall
+    assert sorted(r.prompt_index for r in res) == [0] * 20
+
+
+def test_steady_rate_counts_tokens_inside_the_full_load_window():
+    from ddtree_sglang.bench.client import RequestResult, steady_tok_s
+
+    def req(sent, ttft, latency, n):
+        return RequestResult(replica=0, prompt_index=0, output_ids=[0] * n, ttft=ttft,
+                             latency=latency, sent_at=sent)
+
+    # two in flight; both stream from t = 1; 11 tokens each over [1, 11] (first + 10 more)
+    rs = [req(0.0, 1.0, 11.0, 11), req(0.0, 1.0, 11.0, 11)]
+    # window [1, 6]: two first tokens + half of each one's other 10 tokens = 12 tokens in 5 s
+    assert steady_tok_s(rs, 2, 6.0) == 2.4
+    assert steady_tok_s(rs, 2, 1.0) is None  # no full-load window
+    assert steady_tok_s(rs[:1], 2, 6.0) is None  # fewer requests than in flight
 
 
 def test_cell_minimums():

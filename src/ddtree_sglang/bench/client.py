@@ -9,10 +9,12 @@ over the replicas; `concurrency` is per replica.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -25,6 +27,7 @@ class RequestResult:
     accept_length: float | None = None
     verify_ct: int | None = None
     error: str | None = None
+    sent_at: float = 0.0  # perf_counter when the request was sent (sustained load)
 
     @property
     def tpot(self) -> float | None:
@@ -123,6 +126,72 @@ def run_level(urls: list[str], prompts: list[list[int]], params: dict, concurren
     with ThreadPoolExecutor(max_workers=concurrency * len(urls)) as pool:
         results = list(pool.map(one, jobs))
     return results, time.perf_counter() - t0
+
+
+def run_sustained(urls: list[str], prompts: list[list[int]], params: dict, concurrency: int,
+                  done: Callable[[float, int], bool], progress=None, endpoint: str = "native"
+                  ) -> tuple[list[RequestResult], float, float]:
+    """Keep `concurrency` requests in flight per replica, each worker sending its next request
+    as soon as its last one ends, until `done(seconds so far, requests sent)`; then let the
+    last ones finish.  Unlike rounds of a fixed size, the load drains once per measurement,
+    not once per round.  Returns the results, the wall time and when the last request was
+    sent (seconds from the start; the drain begins there)."""
+    send = ENDPOINTS[endpoint]
+    lock = threading.Lock()
+    sent = [0]
+    last_sent = [0.0]
+    t0 = time.perf_counter()
+
+    def worker(_: int) -> list[RequestResult]:
+        mine = []
+        while True:
+            with lock:
+                if done(time.perf_counter() - t0, sent[0]):
+                    return mine
+                i = sent[0]
+                sent[0] += 1
+                last_sent[0] = time.perf_counter() - t0
+            res = RequestResult(replica=i % len(urls), prompt_index=i % len(prompts),
+                                sent_at=time.perf_counter() - t0)
+            try:
+                ids, ttft, lat, meta = send(urls[res.replica], prompts[res.prompt_index], params)
+                res.output_ids, res.ttft, res.latency = ids, ttft, lat
+                res.accept_length = meta.get("spec_accept_length")
+                res.verify_ct = meta.get("spec_verify_ct")
+            except Exception as exc:  # noqa: BLE001 - recorded per request
+                res.error = f"{type(exc).__name__}: {exc}"[:300]
+            if progress is not None:
+                progress.update(1)
+            mine.append(res)
+
+    workers = concurrency * len(urls)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = [r for rs in pool.map(worker, range(workers)) for r in rs]
+    return results, time.perf_counter() - t0, last_sent[0]
+
+
+def steady_tok_s(results: list[RequestResult], in_flight: int, drain_at: float) -> float | None:
+    """Output tokens/s while the full load was in flight: from the moment every one of the
+    first `in_flight` requests streams its first token to the moment the last request was
+    sent (after which in-flight requests are no longer replaced).  A request's first token
+    counts at its arrival and the rest evenly over its decode time (streamed tokens arrive at
+    its TPOT).  None when that window is empty."""
+    ok = sorted((r for r in results if r.error is None and r.output_ids),
+                key=lambda r: r.sent_at)
+    if len(ok) < in_flight:
+        return None
+    start = max(r.sent_at + r.ttft for r in ok[:in_flight])
+    if drain_at <= start:
+        return None
+    tokens = 0.0
+    for r in ok:
+        first, end = r.sent_at + r.ttft, r.sent_at + r.latency
+        tokens += start <= first <= drain_at
+        n = len(r.output_ids) - 1
+        if n > 0 and end > first:
+            overlap = min(end, drain_at) - max(first, start)
+            tokens += n * max(overlap, 0.0) / (end - first)
+    return round(tokens / (drain_at - start), 1)
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -54,7 +54,8 @@ def budget_verdict(rows: list[dict]) -> list[str]:
     out = ["", f"Batch-aware budget (`{AUTO_ARM}`) against the best other arm at each "
            f"concurrency (bar: >= {AUTO_MARGIN}x):", "",
            "| concurrency | auto tok/s | best other arm | its tok/s | auto / best | auto / DFLASH "
-           "| >= bar | call |", "|---|---|---|---|---|---|---|---|"]
+           "| >= bar | steady state: auto / best (arm) | call |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for c in levels:
         at = {r["arm"]: r for r in rows if r["concurrency"] == c and r.get("output_tok_s")}
         auto = at.get(AUTO_ARM)
@@ -67,10 +68,20 @@ def budget_verdict(rows: list[dict]) -> list[str]:
         vs_chain = f"{auto['output_tok_s'] / dflash['output_tok_s']:.3f}" if dflash else ""
         out.append(f"| {c} | {auto['output_tok_s']} | {best['arm']} | {best['output_tok_s']} | "
                    f"{ratio:.3f} | {vs_chain} | {'yes' if ratio >= AUTO_MARGIN else '**no**'} | "
+                   f"{_steady_ratio(auto, others)} | "
                    f"{auto.get('call', 'this run')}"
                    + (" (the best arm's: another call)" if best.get("call") != auto.get("call")
                       else "") + " |")
     return out
+
+
+def _steady_ratio(auto: dict, others: list[dict]) -> str:
+    """auto's steady-state tokens/s over the best other arm's (client.steady_tok_s), or ''."""
+    rated = [r for r in others if r.get("steady_tok_s")]
+    if not auto.get("steady_tok_s") or not rated:
+        return ""
+    best = max(rated, key=lambda r: r["steady_tok_s"])
+    return f"{auto['steady_tok_s'] / best['steady_tok_s']:.3f} ({best['arm']})"
 
 
 def plots(results: dict, out_dir: Path) -> list[Path]:

@@ -175,23 +175,26 @@ def cell_done(cfg: BenchConfig, seconds: float, requests: int) -> bool:
 def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, conc: int,
                  progress_bar) -> tuple[list, dict]:
     """One (arm, concurrency) cell: an optional warm-up round, then `cfg.repeats` measurements,
-    each of rounds of requests until `min_cell_seconds` or `min_cell_requests` is reached.
+    each a sustained load (`conc` in flight per replica) until `min_cell_seconds` or
+    `min_cell_requests` is reached, or one round of n requests where neither is set; each
+    measurement also gives its steady-state tokens/s (client.steady_tok_s).
     The row is the median measurement's summary plus every measurement's tokens/s."""
     n = requests_for(cfg, conc)
     if cfg.warmup_per_cell:
         client.run_level(urls, prompts, params, conc, conc * len(urls), endpoint=cfg.endpoint)
     runs = []
     for rep in range(cfg.repeats):
-        results, wall = [], 0.0
         with progress_bar(desc=f"{arm.name} c={conc} #{rep + 1}", leave=False) as bar:
-            while True:
-                res, w = client.run_level(urls, prompts, params, conc, n, bar,
-                                          endpoint=cfg.endpoint)
-                results += res
-                wall += w
-                if cell_done(cfg, wall, len(results)):
-                    break
-        runs.append((client.summarize(results, wall), results))
+            if cfg.min_cell_seconds or cfg.min_cell_requests:  # sustained load to a minimum
+                results, wall, drain_at = client.run_sustained(
+                    urls, prompts, params, conc, lambda s, k: cell_done(cfg, s, k), bar,
+                    endpoint=cfg.endpoint)
+                steady = client.steady_tok_s(results, conc * len(urls), drain_at)
+            else:  # one round of n requests
+                results, wall = client.run_level(urls, prompts, params, conc, n, bar,
+                                                 endpoint=cfg.endpoint)
+                steady = None
+        runs.append(({**client.summarize(results, wall), "steady_tok_s": steady}, results))
     runs.sort(key=lambda r: r[0]["output_tok_s"] or 0.0)
     summary, results = runs[len(runs) // 2]
     rates = [r[0]["output_tok_s"] for r in runs]
@@ -199,6 +202,7 @@ def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, c
                **summary)
     if len(runs) > 1:
         row["runs_tok_s"] = rates
+        row["runs_steady_tok_s"] = [r[0]["steady_tok_s"] for r in runs]
         row["spread"] = round((max(rates) - min(rates)) / summary["output_tok_s"], 3) \
             if summary["output_tok_s"] else None
     return results, row
