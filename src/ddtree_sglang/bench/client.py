@@ -100,6 +100,21 @@ def server_accept_length(url: str) -> float | None:
     return round(sum(vals) / len(vals), 3) if vals else None
 
 
+def _send_one(send, urls: list[str], prompts: list[list[int]], params: dict,
+              res: RequestResult, progress) -> RequestResult:
+    """Send `res`'s request to its replica and record the outcome in it (an error too)."""
+    try:
+        ids, ttft, lat, meta = send(urls[res.replica], prompts[res.prompt_index], params)
+        res.output_ids, res.ttft, res.latency = ids, ttft, lat
+        res.accept_length = meta.get("spec_accept_length")
+        res.verify_ct = meta.get("spec_verify_ct")
+    except Exception as exc:  # noqa: BLE001 - recorded per request
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    if progress is not None:
+        progress.update(1)
+    return res
+
+
 def run_level(urls: list[str], prompts: list[list[int]], params: dict, concurrency: int,
               num_requests: int, progress=None, endpoint: str = "native"
               ) -> tuple[list[RequestResult], float]:
@@ -110,17 +125,8 @@ def run_level(urls: list[str], prompts: list[list[int]], params: dict, concurren
 
     def one(job):
         replica, p = job
-        res = RequestResult(replica=replica, prompt_index=p)
-        try:
-            ids, ttft, lat, meta = send(urls[replica], prompts[p], params)
-            res.output_ids, res.ttft, res.latency = ids, ttft, lat
-            res.accept_length = meta.get("spec_accept_length")
-            res.verify_ct = meta.get("spec_verify_ct")
-        except Exception as exc:  # noqa: BLE001 - recorded per request
-            res.error = f"{type(exc).__name__}: {exc}"[:300]
-        if progress is not None:
-            progress.update(1)
-        return res
+        return _send_one(send, urls, prompts, params,
+                         RequestResult(replica=replica, prompt_index=p), progress)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency * len(urls)) as pool:
@@ -151,18 +157,9 @@ def run_sustained(urls: list[str], prompts: list[list[int]], params: dict, concu
                 i = sent[0]
                 sent[0] += 1
                 last_sent[0] = time.perf_counter() - t0
-            res = RequestResult(replica=i % len(urls), prompt_index=i % len(prompts),
-                                sent_at=time.perf_counter() - t0)
-            try:
-                ids, ttft, lat, meta = send(urls[res.replica], prompts[res.prompt_index], params)
-                res.output_ids, res.ttft, res.latency = ids, ttft, lat
-                res.accept_length = meta.get("spec_accept_length")
-                res.verify_ct = meta.get("spec_verify_ct")
-            except Exception as exc:  # noqa: BLE001 - recorded per request
-                res.error = f"{type(exc).__name__}: {exc}"[:300]
-            if progress is not None:
-                progress.update(1)
-            mine.append(res)
+            mine.append(_send_one(send, urls, prompts, params, RequestResult(
+                replica=i % len(urls), prompt_index=i % len(prompts),
+                sent_at=time.perf_counter() - t0), progress))
 
     workers = concurrency * len(urls)
     with ThreadPoolExecutor(max_workers=workers) as pool:
