@@ -195,6 +195,7 @@ class LiveStepCosts(StepCosts):
         self._cells: dict[tuple[int, int], deque] = {}
         self._seen: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}  # cell -> index of its latest live step
+        self._live_steps = 0  # live steps counted so far, all cells
         self.rest_ms: dict[int, float] = {}
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
@@ -209,7 +210,8 @@ class LiveStepCosts(StepCosts):
         rest.append(max(step_ms - verify, 0.0))
         self.rest_ms[key] = statistics.median(rest)
         self._cells.setdefault((key, budget), deque(maxlen=self.window)).append(step_ms)
-        self._last[(key, budget)] = sum(self._seen.values())
+        self._live_steps += 1
+        self._last[(key, budget)] = self._live_steps
 
     def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         key = self.batch_row(batch_size)
