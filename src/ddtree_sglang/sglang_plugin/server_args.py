@@ -43,6 +43,7 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
 
 VERIFY_ATTENTION_ENV = "SGLANG_DDTREE_VERIFY_ATTENTION"
 HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
+BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
 ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton"),
                # verify attention with the triton backend (first = default): kernel, DDTREE's
@@ -53,7 +54,10 @@ ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
                # (verify_attention.py).  Other backends: always their own call.
                VERIFY_ATTENTION_ENV: ("kernel", "single", "split"),
                # log the host's time per decode step by stage (host_timing.py): 0 off, 1 on
-               HOST_TIMING_ENV: ("0", "1")}
+               HOST_TIMING_ENV: ("0", "1"),
+               # the batch-aware budget's per-step trace in meta_info["ddtree_budget"]
+               # (SGLang's customized_info channel): 1 on, 0 off
+               BUDGET_TRACE_ENV: ("1", "0")}
 
 
 # The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):

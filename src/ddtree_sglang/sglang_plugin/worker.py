@@ -39,7 +39,8 @@ from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_ad
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.server_args import (HOST_TIMING_ENV, VERIFY_ATTENTION_ENV,
+from ddtree_sglang.sglang_plugin.server_args import (BUDGET_TRACE_ENV, HOST_TIMING_ENV,
+                                                     VERIFY_ATTENTION_ENV,
                                                      budgets_setting, env_setting,
                                                      explore_every_setting)
 from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
@@ -95,6 +96,7 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
         graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
+        self._budget_trace = env_setting(BUDGET_TRACE_ENV) == "1"
         self._kv_move = None  # None: resolved at the first decode (the KV pool exists then)
         started = time.perf_counter()
         builder_name = self._choose_kernels()
@@ -367,7 +369,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         clock.mark("commit")
         if adaptive is not None:
             adaptive.observe(bs, budget, depth_probs, commit_lens)
-            internals.report_per_request(logits_output, "ddtree_budget", [budget] * bs)
+            if self._budget_trace:
+                internals.report_per_request(logits_output, "ddtree_budget", [budget] * bs)
 
         result = internals.GenerationBatchResult(
             logits_output=logits_output,
