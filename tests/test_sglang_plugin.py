@@ -421,3 +421,14 @@ def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
     why = internals.wrap_verify_attention(Other(), lambda *a: None, wrap)
     assert "Other, not triton" in why
     assert internals.is_triton_attention(backend) and not internals.is_triton_attention(Other())
+
+
+def test_budget_trace_env_accepts_on_off_and_names_values():
+    from ddtree_sglang.sglang_plugin.server_args import (BUDGET_TRACE_ENV, DDTreeConfigError,
+                                                         check_env, env_setting)
+
+    check_env(BUDGET_TRACE_ENV, "0")
+    check_env(BUDGET_TRACE_ENV, "1")
+    with pytest.raises(DDTreeConfigError, match="accepted: 1, 0"):
+        check_env(BUDGET_TRACE_ENV, "yes")
+    assert env_setting(BUDGET_TRACE_ENV) in ("1", "0")
