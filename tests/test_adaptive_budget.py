@@ -139,3 +139,62 @@ def test_exploration_can_be_turned_off():
     ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     assert [ab.choose(8) for _ in range(40)] == [32] * 40
+
+
+def gated(costs: dict, min_gain: float = 0.03, explore_every: int = 4) -> AdaptiveBudget:
+    runtimes = {b + 1: (None, None) for b in BUDGETS}
+    return AdaptiveBudget(BUDGETS, DEPTH, runtimes,
+                          LiveStepCosts(costs, window=5, min_samples=1, skip_first=0), "cpu",
+                          decay=0.5, stats_every=1, explore_every=explore_every,
+                          min_gain=min_gain)
+
+
+def test_a_host_bound_batch_size_verifies_the_largest_budget_with_no_choice(caplog):
+    """Verify graphs 0.03 ms apart in a 4.4 ms step (the testbed at batch 1 on an H100): no
+    smaller tree can gain 3%, so every step is the largest budget's, exploration included,
+    and no statistics run (the same work as a pinned budget)."""
+    ab = gated({1: {7: 0.11, 15: 0.12, 32: 0.14}})
+    ab.costs.observe(1, 32, 4.4)  # one live step: the period is known
+    caplog.set_level("INFO")
+    picks = [ab.choose(1) for _ in range(16)]
+    for _ in range(4):  # the drafter would make B=7 look best if the choice ran
+        ab.observe(1, 32, depth_probs(1, [3.0, 3.0, 3.0]), torch.full((1,), 4, dtype=torch.int32))
+    picks += [ab.choose(1) for _ in range(16)]
+    assert picks == [32] * 32
+    assert ab._lagged.latest() is None  # no statistics were gathered
+    assert ab.steps == {7: 0, 15: 0, 32: 4}
+    assert sum("verifies the largest budget" in r.message for r in caplog.records) == 1
+
+
+def test_the_choice_engages_where_the_tree_size_costs_time_and_stops_where_it_does_not():
+    ab = gated({8: {7: 2.0, 15: 3.0, 32: 6.0}})
+    ab.costs.observe(8, 32, 8.0)  # 4 ms of 8 could be saved: the choice matters
+    ab.observe(8, 32, depth_probs(8, [1.0, 1.1, 1.2]), torch.full((8,), 2, dtype=torch.int32))
+    assert ab.engaged(8) and ab.choose(8) == 7
+    for _ in range(5):  # the host becomes the bottleneck: a 400 ms period
+        ab.costs.observe(8, 32, 400.0)
+    assert not ab.engaged(8) and ab.choose(8) == 32
+
+
+def test_an_engaged_choice_does_not_flip_on_gains_below_the_margin():
+    """Two budgets within 1% of each other: the first choice stays while estimates move by
+    less than min_gain (live medians move by more than that between steps)."""
+    ab = gated({8: {7: 5.0, 15: 5.05, 32: 9.0}}, explore_every=0)
+    ab.costs.observe(8, 32, 12.0)  # rest 3 ms: B=7 8 ms, B=15 8.05 ms, B=32 12 ms
+    ab.observe(8, 32, depth_probs(8, [1.0, 1.02, 1.3]), torch.full((8,), 2, dtype=torch.int32))
+    expected = ab._lagged.latest().tolist()
+    assert ab.choose(8) == brute_force(8, expected, [8.0, 8.05, 12.0]) == 15
+    ab.costs.observe(8, 7, 8.0)
+    ab.costs.observe(8, 15, 8.1)  # live: now B=7 is 0.4% better than B=15
+    assert brute_force(8, expected, ab.costs.row_ms(8, BUDGETS)) == 7
+    assert ab.choose(8) == 15
+    for _ in range(5):
+        ab.costs.observe(8, 15, 9.0)  # B=15 now costs 9 ms: B=7 is 11% better
+    assert ab.choose(8) == 7
+
+
+def test_min_gain_zero_is_the_ungated_choice():
+    ab = gated({1: {7: 0.11, 15: 0.12, 32: 0.14}}, min_gain=0.0, explore_every=0)
+    ab.costs.observe(1, 32, 4.4)
+    ab.observe(1, 32, depth_probs(1, [3.0, 3.0, 3.0]), torch.full((1,), 4, dtype=torch.int32))
+    assert ab.engaged(1) and ab.choose(1) == 7  # equal acceptance: the cheapest verify

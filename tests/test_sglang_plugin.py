@@ -165,6 +165,10 @@ def test_environment_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "1")
     with pytest.raises(DDTreeConfigError, match=r"EXPLORE_EVERY='1'.*integer >= 2.*or 0"):
         validate(SimpleNamespace(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "0")
+    monkeypatch.setenv("SGLANG_DDTREE_BUDGET_MIN_GAIN", "2")
+    with pytest.raises(DDTreeConfigError, match=r"MIN_GAIN='2'.*accepted: a number in"):
+        validate(SimpleNamespace(**base))
 
 
 def test_exploration_period_from_the_environment(monkeypatch):
@@ -180,6 +184,24 @@ def test_exploration_period_from_the_environment(monkeypatch):
     check_env("SGLANG_DDTREE_EXPLORE_EVERY", "8")  # a benchmark arm's env
     monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "8")
     assert explore_every_setting() == 8
+
+
+def test_budget_min_gain_from_the_environment(monkeypatch):
+    from ddtree_sglang.sglang_plugin.server_args import (MIN_GAIN_ENV, DDTreeConfigError,
+                                                         check_env, min_gain_setting,
+                                                         parse_min_gain)
+
+    monkeypatch.delenv(MIN_GAIN_ENV, raising=False)
+    assert min_gain_setting() == 0.03  # the default: act on predicted gains of 3% or more
+    assert parse_min_gain(" 0 ") == 0.0 and parse_min_gain("0.5") == 0.5
+    for bad in ("-0.01", "0.6", "3%", "", "nan"):
+        with pytest.raises(DDTreeConfigError, match=r"accepted: a number in \[0, 0.5\]"):
+            parse_min_gain(bad)
+    check_env(MIN_GAIN_ENV, "0.05")  # a benchmark arm's env
+    with pytest.raises(DDTreeConfigError, match="unknown env.*SGLANG_DDTREE_BUDGET_MIN_GAIN"):
+        check_env("SGLANG_DDTREE_BUDGET_MIN_GAINS", "0.05")
+    monkeypatch.setenv(MIN_GAIN_ENV, "0.1")
+    assert min_gain_setting() == 0.1
 
 
 def test_tree_attention_kernel_is_the_default_verify_attention(monkeypatch):

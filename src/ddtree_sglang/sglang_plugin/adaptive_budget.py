@@ -28,8 +28,10 @@ from collections import deque
 
 import torch
 
-from ddtree_sglang.budget import DepthCalibration, LiveStepCosts, choose_budget
+from ddtree_sglang.budget import (DepthCalibration, LiveStepCosts, choose_budget,
+                                  largest_budget_gain_bound)
 from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin.server_args import MIN_GAIN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,14 @@ class AdaptiveBudget:
 
     def __init__(self, budgets: list[int], max_depth: int, runtimes: dict[int, tuple],
                  costs: LiveStepCosts, device, decay: float = 0.9, stats_every: int = 4,
-                 explore_every: int = 32) -> None:
+                 explore_every: int = 32, min_gain: float = 0.0) -> None:
         self.budgets = list(budgets)
+        # Predicted gains below min_gain are not acted on: a batch size where no smaller tree
+        # can gain that much verifies the largest budget with no choice, statistics or
+        # exploration (the same work as a pinned budget), and a chosen budget is replaced
+        # only by one promising that much more.
+        self.min_gain = min_gain
+        self._gate: dict[int, tuple[int, bool]] = {}  # cost row -> (costs.version, engaged)
         # One step in explore_every (0: none) of a batch size verifies its least-measured
         # budget, so every candidate's live cost is known (lossless either way; at most that share of
         # steps runs a budget the model does not prefer).
@@ -160,22 +168,52 @@ class AdaptiveBudget:
         """The budget for a decode batch of `bs` requests (host only; no GPU wait)."""
         for (batch, budget), ms in self._timer.finished():
             self.costs.observe(batch, budget, ms)
+        row = self.costs.batch_row(bs)
+        largest = self.budgets[-1]
+        if not self.engaged(bs, row):
+            return largest
         expected = self._expected_per_request()
         if expected is None:  # nothing learned yet: the configured (largest) budget
-            return self.budgets[-1]
-        row = self.costs.batch_row(bs)
+            return largest
         self._row_steps[row] = self._row_steps.get(row, 0) + 1
         if self.explore_every and self._row_steps[row] % self.explore_every == 0:
             return self.costs.least_sampled(bs, self.budgets)
         step_ms = self.costs.row_ms(bs, self.budgets)
-        budget = self.budgets[choose_budget(bs, [e * bs for e in expected], step_ms)]
-        if self._last_choice.get(row) != budget:
+        current = self.budgets.index(self._last_choice.get(row, largest))
+        budget = self.budgets[choose_budget(bs, [e * bs for e in expected], step_ms,
+                                            current, self.min_gain)]
+        if self._last_choice.get(row, largest) != budget:
             self._last_choice[row] = budget
             logger.info("DDTREE budget: batch size %d -> B=%d (expected accepted per request "
                         "%s, step ms %s over budgets %s)", bs, budget,
                         [round(x, 2) for x in expected], [round(x, 2) for x in step_ms],
                         self.budgets)
         return budget
+
+    def engaged(self, bs: int, row: int | None = None) -> bool:
+        """Whether the choice can matter at this batch size: some smaller candidate could gain
+        at least min_gain over the largest (budget.largest_budget_gain_bound, from the startup
+        verify times and the row's step period as measured so far).  Re-judged only when a
+        cost changed; a change is logged."""
+        row = self.costs.batch_row(bs) if row is None else row
+        version = self.costs.version
+        cached = self._gate.get(row)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        verify = self.costs.verify_ms(bs, self.budgets)
+        period = self.costs.row_ms(bs, self.budgets[-1:])[0]
+        bound = largest_budget_gain_bound(verify, period)
+        engaged = bound >= self.min_gain
+        if cached is None or cached[1] != engaged:
+            logger.info("DDTREE budget: batch size %d %s: a smaller tree can gain at most "
+                        "%.1f%% over B=%d (verify ms %s at startup, step %.2f ms; %s=%.3g)",
+                        bs, "chooses per step" if engaged else "verifies the largest budget",
+                        100 * bound, self.budgets[-1], [round(x, 3) for x in verify], period,
+                        MIN_GAIN_ENV, self.min_gain)
+            if not engaged:
+                self._last_choice.pop(row, None)
+        self._gate[row] = (version, engaged)
+        return engaged
 
     def _expected_per_request(self) -> list[float] | None:
         """The newest landed copy of the per-request expected acceptance, as host floats
@@ -198,6 +236,9 @@ class AdaptiveBudget:
         """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
         predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
         self.steps[budget] += 1
+        cached = self._gate.get(self.costs.batch_row(bs))
+        if cached is not None and not cached[1]:  # no choice at this batch size: no statistics
+            return
         self._observed += 1
         if self._observed % self.stats_every and self._seen:
             return
@@ -228,7 +269,8 @@ def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | Non
 
 
 def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepare_backend=None,
-                          log: bool = True, explore_every: int = 32) -> AdaptiveBudget | None:
+                          log: bool = True, explore_every: int = 32,
+                          min_gain: float = 0.0) -> AdaptiveBudget | None:
     """A target verify (attention backend + CUDA graphs) per candidate width of the target's
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
     budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""
@@ -260,4 +302,4 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
                     {bs: {b: round(ms, 2) for b, ms in row.items()}
                      for bs, row in costs.table.items()})
     return AdaptiveBudget(budgets, depth, runtimes, costs, device,
-                          explore_every=explore_every)
+                          explore_every=explore_every, min_gain=min_gain)

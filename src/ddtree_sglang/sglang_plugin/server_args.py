@@ -119,6 +119,34 @@ def explore_every_setting() -> int:
     return parse_explore_every(os.environ.get(EXPLORE_ENV, str(DEFAULT_EXPLORE_EVERY)))
 
 
+# The batch-aware budget acts only on predicted gains of at least this fraction of tokens/ms:
+# a batch size where no smaller tree can gain that much (budget.largest_budget_gain_bound)
+# verifies the largest budget with no choice, statistics or exploration, and a chosen budget
+# is replaced only by one that promises that much more (0: act on any gain).
+MIN_GAIN_ENV = "SGLANG_DDTREE_BUDGET_MIN_GAIN"
+DEFAULT_MIN_GAIN = 0.03
+
+
+def parse_min_gain(value: str) -> float:
+    """SGLANG_DDTREE_BUDGET_MIN_GAIN -> the fraction (0 <= x <= 0.5)."""
+    try:
+        x = float(value.strip())
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x <= 0.5:
+        raise DDTreeConfigError(f"{MIN_GAIN_ENV}={value!r} is not accepted; accepted: a number "
+                                f"in [0, 0.5], the least predicted gain in tokens/ms the "
+                                f"batch-aware budget acts on (default {DEFAULT_MIN_GAIN}: 3%; "
+                                f"0: any gain)")
+    return x
+
+
+def min_gain_setting() -> float:
+    import os
+
+    return parse_min_gain(os.environ.get(MIN_GAIN_ENV, str(DEFAULT_MIN_GAIN)))
+
+
 def check_env(name: str, value: str) -> None:
     """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
     DDTREE environment setting (the server's knobs and the benchmark arms' env use this)."""
@@ -128,9 +156,12 @@ def check_env(name: str, value: str) -> None:
     if name == EXPLORE_ENV:
         parse_explore_every(value)
         return
+    if name == MIN_GAIN_ENV:
+        parse_min_gain(value)
+        return
     if name not in ENV_CHOICES:
-        raise DDTreeConfigError(f"unknown env {name!r}; accepted: "
-                                f"{', '.join(sorted([*ENV_CHOICES, BUDGETS_ENV, EXPLORE_ENV]))}")
+        known = [*ENV_CHOICES, BUDGETS_ENV, EXPLORE_ENV, MIN_GAIN_ENV]
+        raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(known))}")
     if value not in ENV_CHOICES[name]:
         raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
                                 f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
@@ -300,10 +331,11 @@ def validate(args: Any) -> None:
             env_setting(name)
         except DDTreeConfigError as exc:
             errors.append(str(exc))
-    try:
-        explore_every_setting()
-    except DDTreeConfigError as exc:
-        errors.append(str(exc))
+    for setting in (explore_every_setting, min_gain_setting):
+        try:
+            setting()
+        except DDTreeConfigError as exc:
+            errors.append(str(exc))
     page = _get(args, "page_size")
     if page not in (None, 1):
         errors.append(f"DDTREE supports --page-size 1 only for now; got {page} "

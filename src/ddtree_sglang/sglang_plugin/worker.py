@@ -42,7 +42,7 @@ from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seed
 from ddtree_sglang.sglang_plugin.server_args import (BUDGET_TRACE_ENV, HOST_TIMING_ENV,
                                                      VERIFY_ATTENTION_ENV,
                                                      budgets_setting, env_setting,
-                                                     explore_every_setting)
+                                                     explore_every_setting, min_gain_setting)
 from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
                                                           check_verify_attention)
 
@@ -219,7 +219,8 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         return build_adaptive_budget(self.target_worker.model_runner, self.budgets, self.depth,
                                      self.device, None if variant == "single" else install,
                                      log=self.ps.tp_rank == 0,
-                                     explore_every=explore_every_setting())
+                                     explore_every=explore_every_setting(),
+                                     min_gain=min_gain_setting())
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size
