@@ -2,6 +2,7 @@
 correctness comparison, reports, server shutdown, config errors."""
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -243,12 +244,84 @@ def test_serving_run_split_by_concurrency_merges_and_judges_the_batch_aware_arm(
     assert cells[("dflash", 1)]["output_tok_s"] == 100.0
     assert cells[("ddtree-auto", 8)]["call"] == "run --concurrency 8"
     md = report.markdown(merged)
-    assert "| 1 | 128.0 | ddtree-b32 | 130.0 | 0.985 | 1.280 | yes |  | this run |" in md
-    assert "| 8 | 650.0 | dflash | 700.0 | 0.929 | 0.929 | **no** |  | run --concurrency 8 |" in md
+    assert "| 1 | 128.0 | ddtree-b32 | 130.0 | 0.985 | 1.280 | yes |  |  | this run |" in md
+    assert ("| 8 | 650.0 | dflash | 700.0 | 0.929 | 0.929 | **no** |  |  | run --concurrency 8 |"
+            in md)
     high["rows"][1]["steady_tok_s"], high["rows"][2]["steady_tok_s"] = 640.0, 660.0
     md = report.markdown(merge_results(low, high))  # steady state where measured
-    assert "| **no** | 1.031 (ddtree-b32) | run --concurrency 8 |" in md
+    assert "| **no** | 1.031 (ddtree-b32) |  | run --concurrency 8 |" in md
     assert report.budget_verdict(low["rows"][:2]) == []  # no ddtree-auto arm: no section
+
+
+def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
+    """Round r measures each arm once, starting at arm r mod n, each after its own warm-up;
+    rows keep the round order beside the sorted rates."""
+    from types import SimpleNamespace
+
+    from ddtree_sglang.bench import cells
+    from ddtree_sglang.bench.config import Arm
+
+    events = []
+    monkeypatch.setattr(cells, "warm_up", lambda cfg, urls, *a: events.append(("warm", urls[0])))
+    rate = iter([10.0, 20.0, 30.0, 12.0, 22.0, 32.0, 8.0, 18.0, 28.0]).__next__
+
+    def once(cfg, urls, prompts, params, conc, bar):
+        events.append(("measure", urls[0]))
+        return dict(output_tok_s=rate(), steady_tok_s=None), [urls[0]]
+
+    monkeypatch.setattr(cells, "measure_once", once)
+    cfg = SimpleNamespace(repeats=3, warmup_per_cell=True)
+    arms = [Arm(name=n, algorithm="DDTREE", budget=8) for n in "abc"]
+    live = [(arm, [arm.name]) for arm in arms]
+    out = cells.measure_interleaved(cfg, live, [], {}, 4, lambda **kw: _Bar())
+    measured = [u for kind, u in events if kind == "measure"]
+    assert measured == list("abc" "bca" "cab")
+    assert events[:2] == [("warm", "a"), ("measure", "a")]  # a warm-up before each measurement
+    rows = {row["arm"]: row for _, row in out}
+    # arm a got 10 (round 1), 32 (round 2, third in turn), 18 (round 3, second)
+    assert rows["a"]["rounds_tok_s"] == [10.0, 32.0, 18.0]
+    assert rows["a"]["runs_tok_s"] == [10.0, 18.0, 32.0] and rows["a"]["output_tok_s"] == 18.0
+    assert [row["arm"] for _, row in out] == ["a", "b", "c"]
+
+
+class _Bar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_round_ratios_pair_the_arms_of_each_round():
+    from ddtree_sglang.bench import report
+
+    def row(arm, rounds, call=None):
+        r = dict(arm=arm, algorithm="DDTREE", concurrency=4, rounds_tok_s=rounds,
+                 output_tok_s=sorted(rounds)[1])
+        return dict(r, call=call) if call else r
+
+    auto = row("ddtree-auto", [100.0, 90.0, 120.0])
+    others = [row("ddtree-b32", [95.0, 100.0, 110.0]), row("dflash", [50.0, 80.0, 125.0])]
+    # per round: 100/95, 90/100, 120/125
+    assert report._round_ratios(auto, others) == "0.960 (0.900-1.053)"
+    assert report._round_ratios(auto, [row("ddtree-b32", [1.0, 2.0, 3.0], "other call")]) == ""
+    assert report._round_ratios(dict(auto, rounds_tok_s=None), others) == ""
+
+
+def test_interleaved_serving_run_end_to_end(tmp_path, fake_env):
+    out = tmp_path / "res"
+    cfg = write_config(tmp_path, gpus=[0], startup_group=3, max_total_tokens=65536,
+                       concurrency=[2], repeats=2, warmup_per_cell=True, interleave=True,
+                       arms=[{"name": "dflash", "algorithm": "DFLASH"},
+                             {"name": "ddtree-b32", "algorithm": "DDTREE", "budget": 32},
+                             {"name": "ddtree-auto", "algorithm": "DDTREE", "budget": 32}])
+    assert serve_bench.main(["--config", str(cfg), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [r["arm"] for r in res["rows"]] == ["dflash", "ddtree-b32", "ddtree-auto"]
+    assert all(len(r["rounds_tok_s"]) == 2 and r["errors"] == 0 for r in res["rows"])
+    verdict = next(line for line in (out / "results.md").read_text().splitlines()
+                   if line.startswith("| 2 |"))
+    assert re.search(r"\| \d\.\d{3} \(\d\.\d{3}-\d\.\d{3}\) \| this run \|$", verdict)
 
 
 def test_cost_mode_checkpoints_load_strictly(tmp_path):

@@ -134,7 +134,8 @@ class BenchConfig(_Strict):
     max_total_tokens: Optional[int] = Field(None, ge=1024, description="fixed KV pool size (tokens)")
     startup_group: int = Field(1, ge=1, description="arms whose servers start together (one "
                                "wait for JIT and graph capture instead of one per arm); they are "
-                               "still measured one at a time; > 1 needs max_total_tokens")
+                               "measured one at a time (in rounds with interleave); > 1 needs "
+                               "max_total_tokens")
     requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
     min_cell_seconds: float = Field(0.0, ge=0, description="keep sending rounds of "
                                     "requests_per_level until a cell has run this long ...")
@@ -144,6 +145,10 @@ class BenchConfig(_Strict):
                          "shows the median and the spread")
     warmup_per_cell: bool = Field(False, description="a warm-up round before every (arm, "
                                   "concurrency) cell, not only once per arm")
+    interleave: bool = Field(False, description="measure the arms of a startup group in "
+                             "rounds, one measurement of each per round (bench/cells.py), so a "
+                             "machine that drifts slows every arm alike; with warmup_per_cell "
+                             "each measurement gets its own warm-up round")
     startup_timeout_s: float = 900
     launcher_module: str = Field("sglang.launch_server",
                                  description="module run with -m to start a server")

@@ -54,8 +54,8 @@ def budget_verdict(rows: list[dict]) -> list[str]:
     out = ["", f"Batch-aware budget (`{AUTO_ARM}`) against the best other arm at each "
            f"concurrency (bar: >= {AUTO_MARGIN}x):", "",
            "| concurrency | auto tok/s | best other arm | its tok/s | auto / best | auto / DFLASH "
-           "| >= bar | steady state: auto / best (arm) | call |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| >= bar | steady state: auto / best (arm) | rounds: auto / best of round | call |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for c in levels:
         at = {r["arm"]: r for r in rows if r["concurrency"] == c and r.get("output_tok_s")}
         auto = at.get(AUTO_ARM)
@@ -68,7 +68,7 @@ def budget_verdict(rows: list[dict]) -> list[str]:
         vs_chain = f"{auto['output_tok_s'] / dflash['output_tok_s']:.3f}" if dflash else ""
         out.append(f"| {c} | {auto['output_tok_s']} | {best['arm']} | {best['output_tok_s']} | "
                    f"{ratio:.3f} | {vs_chain} | {'yes' if ratio >= AUTO_MARGIN else '**no**'} | "
-                   f"{_steady_ratio(auto, others)} | "
+                   f"{_steady_ratio(auto, others)} | {_round_ratios(auto, others)} | "
                    f"{auto.get('call', 'this run')}"
                    + (" (the best arm's: another call)" if best.get("call") != auto.get("call")
                       else "") + " |")
@@ -82,6 +82,21 @@ def _steady_ratio(auto: dict, others: list[dict]) -> str:
         return ""
     best = max(rated, key=lambda r: r["steady_tok_s"])
     return f"{auto['steady_tok_s'] / best['steady_tok_s']:.3f} ({best['arm']})"
+
+
+def _round_ratios(auto: dict, others: list[dict]) -> str:
+    """Interleaved runs (bench/cells.py): per round, auto's tokens/s over the best other arm's
+    in that same round; the median and the range over rounds, or '' where the arms were not
+    measured in the same rounds (another call, or not interleaved)."""
+    rounds = auto.get("rounds_tok_s")
+    paired = [r["rounds_tok_s"] for r in others if r.get("rounds_tok_s")
+              and len(r["rounds_tok_s"]) == len(rounds or ()) and r.get("call") == auto.get("call")]
+    if not rounds or len(paired) != len(others):
+        return ""
+    ratios = sorted(a / max(o[i] for o in paired) for i, a in enumerate(rounds))
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return f"{median:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})"
 
 
 def plots(results: dict, out_dir: Path) -> list[Path]:

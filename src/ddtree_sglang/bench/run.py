@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ddtree_sglang.bench import client, compare, cost_mode, profile, report
+from ddtree_sglang.bench import cells, client, compare, cost_mode, profile, report
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
@@ -90,12 +90,10 @@ def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: P
     return servers
 
 
-def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
-    """Yield (arm, servers, error) in order, the servers healthy or None with the error.
-
-    `cfg.startup_group` arms are launched together, so their kernel compilation and graph
-    capture overlap; each arm is then measured alone and its servers stop before the next.
-    """
+def started_groups(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
+    """Yield, per group of `cfg.startup_group` arms launched together (their kernel compilation
+    and graph capture overlap), the list of (arm, servers, error): every server healthy, or
+    None with the error.  The group's servers stay up until the next group is asked for."""
     g = cfg.startup_group
     for i in range(0, len(arms), g):
         with ExitStack() as stack:
@@ -109,21 +107,26 @@ def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
                     errors[arm.name] = f"{type(exc).__name__}: {str(exc)[-800:]}"
                     for s in servers:
                         s.stop()
-            for arm, servers in group:
-                yield (arm, None, errors[arm.name]) if arm.name in errors else (arm, servers, None)
-                for s in servers:
+            yield [(arm, None, errors[arm.name]) if arm.name in errors else (arm, servers, None)
+                   for arm, servers in group]
+
+
+def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
+    """Yield (arm, servers, error) in order (started_groups); each arm is measured alone and
+    its servers stop before the next arm is yielded."""
+    groups = started_groups(cfg, arms, spec_of, out)
+    with closing(groups):
+        for group in groups:
+            for arm, servers, error in group:
+                yield arm, servers, error
+                for s in servers or ():
                     s.stop()
 
 
-def requests_for(cfg: BenchConfig, conc: int) -> int:
-    per = cfg.requests_per_level or max(2 * conc, 8)
-    return per * len(cfg.gpus)
-
-
 def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict:
-    """Every arm, every concurrency level; `save(results)` is called after each arm."""
-    from tqdm import tqdm
-
+    """Every arm, every concurrency level; `save(results)` is called after each group of arms
+    started together.  With `cfg.interleave` the arms of a group are measured in rounds
+    (cells.measure_interleaved), else one after another."""
     prompts = load_prompts(cfg)
     params = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
     model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
@@ -132,80 +135,60 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
     rows, outputs, failures, correctness = [], {}, {}, {}
     results = dict(meta=_meta(cfg, command, ref.name if ref else None), rows=rows,
                    correctness=correctness, failures=failures)
-    arms = started_arms(cfg, order, lambda a: server_spec(cfg, a, model, drafter), out)
-    with closing(arms):
-        for arm, servers, error in arms:
-            if error:
-                failures[arm.name] = error
-                continue
-            urls = [s.url for s in servers]
-            client.run_level(urls, prompts, params, 2, 2 * len(urls),  # warm-up (JIT, graphs)
-                             endpoint=cfg.endpoint)
-            greedy = {}
-            for conc in cfg.concurrency:
-                res, row = measure_cell(cfg, urls, prompts, params, arm, conc, tqdm)
-                if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
-                    acc = [a for a in map(client.server_accept_length, urls) if a is not None]
-                    row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                for r in res:
-                    if r.error is None:
-                        greedy.setdefault(r.prompt_index, r.output_ids)
-            outputs[arm.name] = greedy
-            if arm is ref and cfg.temperature == 0:
-                for other, outs in outputs.items():
-                    if other != ref.name:
-                        correctness[other] = compare.compare_to_reference(
-                            prompts, outs, greedy, urls[0])
+    groups = started_groups(cfg, order, lambda a: server_spec(cfg, a, model, drafter), out)
+    with closing(groups):
+        for group in groups:
+            failures.update({arm.name: error for arm, _, error in group if error})
+            live = [(arm, [s.url for s in servers]) for arm, servers, error in group
+                    if not error]
+            measured = measure_group(cfg, live, prompts, params)
+            for arm, urls in live:  # rows arm by arm, the reference last
+                greedy = {}
+                for res, row in measured[arm.name]:
+                    rows.append(row)
+                    for r in res:
+                        if r.error is None:
+                            greedy.setdefault(r.prompt_index, r.output_ids)
+                outputs[arm.name] = greedy
+                if arm is ref and cfg.temperature == 0:
+                    for other, outs in outputs.items():
+                        if other != ref.name:
+                            correctness[other] = compare.compare_to_reference(
+                                prompts, outs, greedy, urls[0])
+            for _, servers, _ in group:
+                for s in servers or ():
+                    s.stop()
             if save:
                 save(results)
     return results
 
 
-def cell_done(cfg: BenchConfig, seconds: float, requests: int) -> bool:
-    """A cell has run long enough: one round when no minimum is set, else the first minimum
-    reached (seconds or requests)."""
-    if not cfg.min_cell_seconds and not cfg.min_cell_requests:
-        return True
-    return bool((cfg.min_cell_seconds and seconds >= cfg.min_cell_seconds) or
-                (cfg.min_cell_requests and requests >= cfg.min_cell_requests))
+def measure_group(cfg: BenchConfig, live: list[tuple[Arm, list[str]]], prompts,
+                  params) -> dict[str, list[tuple[list, dict]]]:
+    """Every (arm, concurrency) cell of the arms whose servers are up: arm name -> [(results,
+    row)] by concurrency.  Interleaved in rounds with `cfg.interleave`, else arm by arm."""
+    from tqdm import tqdm
+
+    for arm, urls in live:  # warm-up (JIT, graphs)
+        client.run_level(urls, prompts, params, 2, 2 * len(urls), endpoint=cfg.endpoint)
+    measured = {arm.name: [] for arm, _ in live}
+    for conc in cfg.concurrency:
+        if cfg.interleave:
+            cells_at = cells.measure_interleaved(cfg, live, prompts, params, conc, tqdm)
+        else:
+            cells_at = [cells.measure_cell(cfg, urls, prompts, params, arm, conc, tqdm)
+                        for arm, urls in live]
+        for (arm, urls), (res, row) in zip(live, cells_at):
+            if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
+                acc = [a for a in map(client.server_accept_length, urls) if a is not None]
+                row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
+            measured[arm.name].append((res, row))
+            print(json.dumps(row), flush=True)
+    return measured
 
 
-def measure_cell(cfg: BenchConfig, urls: list[str], prompts, params, arm: Arm, conc: int,
-                 progress_bar) -> tuple[list, dict]:
-    """One (arm, concurrency) cell: an optional warm-up round, then `cfg.repeats` measurements,
-    each a sustained load (`conc` in flight per replica) until `min_cell_seconds` or
-    `min_cell_requests` is reached, or one round of n requests where neither is set; each
-    measurement also gives its steady-state tokens/s (client.steady_tok_s).
-    The row is the median measurement's summary plus every measurement's tokens/s."""
-    n = requests_for(cfg, conc)
-    if cfg.warmup_per_cell:
-        client.run_level(urls, prompts, params, conc, conc * len(urls), endpoint=cfg.endpoint)
-    runs = []
-    for rep in range(cfg.repeats):
-        with progress_bar(desc=f"{arm.name} c={conc} #{rep + 1}", leave=False) as bar:
-            if cfg.min_cell_seconds or cfg.min_cell_requests:  # sustained load to a minimum
-                results, wall, drain_at = client.run_sustained(
-                    urls, prompts, params, conc, lambda s, k: cell_done(cfg, s, k), bar,
-                    endpoint=cfg.endpoint)
-                steady = client.steady_tok_s(results, conc * len(urls), drain_at)
-            else:  # one round of n requests
-                results, wall = client.run_level(urls, prompts, params, conc, n, bar,
-                                                 endpoint=cfg.endpoint)
-                steady = None
-        runs.append(({**client.summarize(results, wall), "steady_tok_s": steady}, results))
-    runs.sort(key=lambda r: r[0]["output_tok_s"] or 0.0)
-    summary, results = runs[len(runs) // 2]
-    rates = [r[0]["output_tok_s"] for r in runs]
-    row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget, concurrency=conc,
-               **summary)
-    if len(runs) > 1:
-        row["runs_tok_s"] = rates
-        row["runs_steady_tok_s"] = [r[0]["steady_tok_s"] for r in runs]
-        row["spread"] = round((max(rates) - min(rates)) / summary["output_tok_s"], 3) \
-            if summary["output_tok_s"] else None
-    return results, row
+cell_done = cells.cell_done  # the cell minimum (tests and callers read it here)
+requests_for = cells.requests_for
 
 
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
@@ -347,8 +330,15 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
     else:
         arms = cfg.arms
         model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
-        levels = (f"concurrency {cfg.concurrency} per replica, "
-                  + ", ".join(f"{requests_for(cfg, c)} requests at {c}" for c in cfg.concurrency)
+        if cfg.min_cell_seconds or cfg.min_cell_requests:
+            minimum = " or ".join(x for x in (
+                f"{cfg.min_cell_seconds:g} s" if cfg.min_cell_seconds else "",
+                f"{cfg.min_cell_requests} requests" if cfg.min_cell_requests else "") if x)
+            cell = f"each cell a sustained load until {minimum}"
+        else:
+            cell = ", ".join(f"{requests_for(cfg, c)} requests at {c}" for c in cfg.concurrency)
+        cell += f", x{cfg.repeats}" + (" in interleaved rounds" if cfg.interleave else "")
+        levels = (f"concurrency {cfg.concurrency} per replica, {cell}"
                   + f"; {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
                     f"{cfg.endpoint} endpoint, prompts {cfg.prompts.source} (first "
                     f"{cfg.prompts.limit})")

@@ -1,0 +1,99 @@
+"""Measuring a serving cell (one arm at one concurrency): repeated sustained loads, and the
+interleaved order that compares arms within a few percent.
+
+A cell is `repeats` measurements; each keeps `conc` requests in flight per replica until
+`min_cell_seconds` or `min_cell_requests` is reached (one round of requests where neither is
+set).  Measured one arm after another, a machine that drifts (another tenant, clocks, a host
+that gets slower for minutes: repeats of one cell spread 3-24% on the H100 of 2026-12-05)
+lands on whichever arm runs then, which a 3% bar cannot survive.  Interleaved, round r
+measures every arm once (starting at arm r mod n), so drift falls on every arm alike and each
+round is a paired comparison of the arms (`rounds_tok_s`, in round order).
+"""
+
+from __future__ import annotations
+
+from ddtree_sglang.bench import client
+
+
+def cell_done(cfg, seconds: float, requests: int) -> bool:
+    """A cell has run long enough: one round when no minimum is set, else the first minimum
+    reached (seconds or requests)."""
+    if not cfg.min_cell_seconds and not cfg.min_cell_requests:
+        return True
+    return bool((cfg.min_cell_seconds and seconds >= cfg.min_cell_seconds) or
+                (cfg.min_cell_requests and requests >= cfg.min_cell_requests))
+
+
+def requests_for(cfg, conc: int) -> int:
+    per = cfg.requests_per_level or max(2 * conc, 8)
+    return per * len(cfg.gpus)
+
+
+def warm_up(cfg, urls: list[str], prompts, params, conc: int) -> None:
+    """One round of `conc` requests per replica, not recorded."""
+    client.run_level(urls, prompts, params, conc, conc * len(urls), endpoint=cfg.endpoint)
+
+
+def measure_once(cfg, urls: list[str], prompts, params, conc: int, bar) -> tuple[dict, list]:
+    """One measurement: (summary with its steady-state tokens/s, per-request results)."""
+    if cfg.min_cell_seconds or cfg.min_cell_requests:  # sustained load to a minimum
+        results, wall, drain_at = client.run_sustained(
+            urls, prompts, params, conc, lambda s, k: cell_done(cfg, s, k), bar,
+            endpoint=cfg.endpoint)
+        steady = client.steady_tok_s(results, conc * len(urls), drain_at)
+    else:  # one round of n requests
+        results, wall = client.run_level(urls, prompts, params, conc, requests_for(cfg, conc),
+                                         bar, endpoint=cfg.endpoint)
+        steady = None
+    return {**client.summarize(results, wall), "steady_tok_s": steady}, results
+
+
+def cell_row(arm, conc: int, runs: list[tuple[dict, list]],
+             interleaved: bool = False) -> tuple[list, dict]:
+    """The cell's row from its measurements (in the order taken): the median measurement's
+    summary, every measurement's tokens/s (ascending) and spread, and in interleaved runs the
+    tokens/s in round order.  Returns (the median measurement's results, the row)."""
+    ordered = sorted(runs, key=lambda r: r[0]["output_tok_s"] or 0.0)
+    summary, results = ordered[len(ordered) // 2]
+    row = dict(arm=arm.name, algorithm=arm.algorithm, budget=arm.budget, concurrency=conc,
+               **summary)
+    if len(runs) > 1:
+        rates = [r[0]["output_tok_s"] for r in ordered]
+        row["runs_tok_s"] = rates
+        row["runs_steady_tok_s"] = [r[0]["steady_tok_s"] for r in ordered]
+        row["spread"] = round((max(rates) - min(rates)) / summary["output_tok_s"], 3) \
+            if summary["output_tok_s"] else None
+    if interleaved:
+        row["rounds_tok_s"] = [r[0]["output_tok_s"] for r in runs]
+    return results, row
+
+
+def measure_cell(cfg, urls: list[str], prompts, params, arm, conc: int,
+                 progress_bar) -> tuple[list, dict]:
+    """One (arm, concurrency) cell measured on its own: an optional warm-up round, then
+    `cfg.repeats` measurements."""
+    if cfg.warmup_per_cell:
+        warm_up(cfg, urls, prompts, params, conc)
+    runs = []
+    for rep in range(cfg.repeats):
+        with progress_bar(desc=f"{arm.name} c={conc} #{rep + 1}", leave=False) as bar:
+            runs.append(measure_once(cfg, urls, prompts, params, conc, bar))
+    return cell_row(arm, conc, runs)
+
+
+def measure_interleaved(cfg, live: list[tuple], prompts, params, conc: int,
+                        progress_bar) -> list[tuple[list, dict]]:
+    """Every arm of `live` ([(arm, urls)], servers all up) at one concurrency, in rounds: per
+    round one measurement of each arm, round r starting at arm r mod n (none always goes
+    first), each after a warm-up round of its own with warmup_per_cell (an arm has waited
+    idle through the others' turns).  Returns one (results, row) per arm, in `live`'s order."""
+    runs: list[list] = [[] for _ in live]
+    for rep in range(cfg.repeats):
+        for k in range(len(live)):
+            i = (rep + k) % len(live)
+            arm, urls = live[i]
+            if cfg.warmup_per_cell:
+                warm_up(cfg, urls, prompts, params, conc)
+            with progress_bar(desc=f"{arm.name} c={conc} round {rep + 1}", leave=False) as bar:
+                runs[i].append(measure_once(cfg, urls, prompts, params, conc, bar))
+    return [cell_row(arm, conc, r, interleaved=True) for (arm, _), r in zip(live, runs)]
