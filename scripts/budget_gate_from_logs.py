@@ -1,0 +1,83 @@
+"""What the batch-aware budget's gate (SGLANG_DDTREE_BUDGET_MIN_GAIN) decides for each batch
+size of a recorded serving run, from its server logs alone (no GPU needed).
+
+    python scripts/budget_gate_from_logs.py benchmarks/results/h100_testbed_auto_2026-12-05/call3
+
+Reads logs.tgz (or logs/) of a `serve_bench` run: the startup verify times that a batch-aware
+server logged ("verify ms at startup by batch size"), and the step period of a fixed-budget
+server at the same maximum, per batch size, from SGLang's decode log (running requests x
+accept length / generation throughput; a median over the log's lines).  Prints, per batch
+size, the bound budget.largest_budget_gain_bound gives and whether the choice would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import statistics
+import tarfile
+from pathlib import Path
+
+from ddtree_sglang.budget import largest_budget_gain_bound
+
+DECODE = re.compile(r"#running-req: (\d+),.*accept len: ([\d.]+),.*gen throughput "
+                    r"\(token/s\): ([\d.]+)")
+
+
+def read_logs(run: Path) -> dict[str, str]:
+    """Server log name -> text, from run/logs.tgz or run/logs/."""
+    if (run / "logs.tgz").is_file():
+        with tarfile.open(run / "logs.tgz") as tar:
+            return {Path(m.name).name: tar.extractfile(m).read().decode(errors="replace")
+                    for m in tar.getmembers() if m.isfile() and m.name.endswith(".log")}
+    return {p.name: p.read_text(errors="replace") for p in (run / "logs").glob("*.log")}
+
+
+def startup_verify(text: str) -> dict[int, dict[int, float]] | None:
+    for line in text.splitlines():
+        if "verify ms at startup by batch size:" in line:
+            return ast.literal_eval(line.split("by batch size:", 1)[1].strip())
+    return None
+
+
+def periods(text: str, min_lines: int) -> dict[int, float]:
+    """Batch size -> median decode period (ms) over the decode-log lines of that batch size."""
+    seen: dict[int, list[float]] = {}
+    for m in DECODE.finditer(text):
+        running, accept, tok_s = int(m[1]), float(m[2]), float(m[3])
+        if tok_s > 0:
+            seen.setdefault(running, []).append(running * accept / tok_s * 1e3)
+    return {bs: statistics.median(v) for bs, v in seen.items() if len(v) >= min_lines}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a serve_bench --out folder with logs.tgz or logs/")
+    ap.add_argument("--auto-arm", default="ddtree-auto")
+    ap.add_argument("--fixed-arm", default="ddtree-b64", help="the fixed arm at the same maximum")
+    ap.add_argument("--min-gain", type=float, default=0.03)
+    ap.add_argument("--min-lines", type=int, default=10,
+                    help="decode-log lines a batch size needs (fewer: warm-up noise)")
+    args = ap.parse_args(argv)
+    logs = read_logs(args.run)
+    auto = next((t for n, t in logs.items() if n.startswith(args.auto_arm + "_")), None)
+    fixed = next((t for n, t in logs.items() if n.startswith(args.fixed_arm + "_")), None)
+    table = startup_verify(auto or "")
+    if table is None or fixed is None:
+        raise SystemExit(f"{args.run}: needs a {args.auto_arm} log with its startup verify times "
+                         f"and a {args.fixed_arm} log; found {sorted(logs)}")
+    rows = sorted(table)
+    print("| batch | period ms (fixed arm) | verify ms at startup | bound | choice runs |")
+    print("|---|---|---|---|---|")
+    for bs, period in sorted(periods(fixed, args.min_lines).items()):
+        row = table[next((r for r in rows if r >= bs), rows[-1])]
+        budgets = sorted(row)
+        bound = largest_budget_gain_bound([row[b] for b in budgets], period)
+        print(f"| {bs} | {period:.2f} | {min(row.values()):.2f}-{row[budgets[-1]]:.2f} | "
+              f"{100 * bound:.2f}% | {'yes' if bound >= args.min_gain else 'no'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
