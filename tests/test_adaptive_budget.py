@@ -154,6 +154,7 @@ def test_a_host_bound_batch_size_verifies_the_largest_budget_with_no_choice(capl
     smaller tree can gain 3%, so every step is the largest budget's, exploration included,
     and no statistics run (the same work as a pinned budget)."""
     ab = gated({1: {7: 0.11, 15: 0.12, 32: 0.14}})
+    assert not ab.engaged(1)  # no step timed yet: the period is unknown, the largest budget
     ab.costs.observe(1, 32, 4.4)  # one live step: the period is known
     caplog.set_level("INFO")
     picks = [ab.choose(1) for _ in range(16)]

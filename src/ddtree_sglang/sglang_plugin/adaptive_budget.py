@@ -193,9 +193,12 @@ class AdaptiveBudget:
     def engaged(self, bs: int, row: int | None = None) -> bool:
         """Whether the choice can matter at this batch size: some smaller candidate could gain
         at least min_gain over the largest (budget.largest_budget_gain_bound, from the startup
-        verify times and the row's step period as measured so far).  Re-judged only when a
-        cost changed; a change is logged."""
+        verify times and the row's step period as measured so far; before any live step is
+        timed, no: the largest budget).  Re-judged only when a cost changed; a change is
+        logged."""
         row = self.costs.batch_row(bs) if row is None else row
+        if self.min_gain > 0 and not self.costs.rest_ms:  # no step period measured yet
+            return False
         version = self.costs.version
         cached = self._gate.get(row)
         if cached is not None and cached[0] == version:
