@@ -1,5 +1,6 @@
 """The worker's batch-aware budget (sglang_plugin/adaptive_budget.py), on the CPU: the host
 choice follows what the GPU-side statistics learned, against the brute-force optimum."""
+import pytest
 import torch
 
 from ddtree_sglang.budget import LiveStepCosts
@@ -199,3 +200,22 @@ def test_min_gain_zero_is_the_ungated_choice():
     ab.costs.observe(1, 32, 4.4)
     ab.observe(1, 32, depth_probs(1, [3.0, 3.0, 3.0]), torch.full((1,), 4, dtype=torch.int32))
     assert ab.engaged(1) and ab.choose(1) == 7  # equal acceptance: the cheapest verify
+
+
+def test_served_steps_on_a_host_bound_batch_never_leave_the_largest_budget(monkeypatch):
+    """choose -> start_step -> observe as the worker calls them, on a clock where every step
+    takes 4.4 ms and the verifies differ by 0.03 ms: from the first step on, B = 32 only, and
+    no statistics."""
+    ticks = iter(i * 0.0044 for i in range(1000)).__next__
+    monkeypatch.setattr(_HostMark, "__init__", lambda self: setattr(self, "t", ticks()))
+    ab = gated({4: {7: 0.11, 15: 0.12, 32: 0.14}}, explore_every=2)
+    ab._timer.cuda = False
+    picks = []
+    for _ in range(40):
+        budget = ab.choose(4)
+        ab.start_step(4, budget)
+        ab.observe(4, budget, depth_probs(4, [3.0, 3.0, 3.0]), torch.full((4,), 4, dtype=torch.int32))
+        picks.append(budget)
+    assert picks == [32] * 40 and ab._lagged.latest() is None
+    assert ab.costs.row_ms(4, [32]) == [pytest.approx(4.4)]
+    assert not ab.engaged(4)

@@ -18,6 +18,11 @@ replaying its graph; what the rest of a step costs is learned per batch size fro
 and a budget measured live a few times at a batch size costs what it measured
 (budget.LiveStepCosts); one step in `explore_every` per batch size tries the least-measured
 budget so that every candidate gets measured.
+
+The gate: a smaller tree can beat the largest only by the verify time it saves, so where that
+saving is under `min_gain` of the batch size's step period (a host-bound server: verifies
+0.01-0.2 ms apart in 4-17 ms steps), the batch size verifies the largest budget with no
+choice, statistics or exploration, the same work as a pinned budget (`engaged`).
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ class AdaptiveBudget:
         # only by one promising that much more.
         self.min_gain = min_gain
         self._gate: dict[int, tuple[int, bool]] = {}  # cost row -> (costs.version, engaged)
+        self._announced: dict[int, bool] = {}  # cost row -> the judgement last logged
         # One step in explore_every (0: none) of a batch size verifies its least-measured
         # budget, so every candidate's live cost is known (lossless either way; at most that share of
         # steps runs a budget the model does not prefer).
@@ -197,17 +203,19 @@ class AdaptiveBudget:
         timed, no: the largest budget).  Re-judged only when a cost changed; a change is
         logged."""
         row = self.costs.batch_row(bs) if row is None else row
-        if self.min_gain > 0 and not self.costs.rest_ms:  # no step period measured yet
-            return False
         version = self.costs.version
         cached = self._gate.get(row)
         if cached is not None and cached[0] == version:
             return cached[1]
+        if self.min_gain > 0 and not self.costs.rest_ms:  # no step period measured yet
+            self._gate[row] = (version, False)
+            return False
         verify = self.costs.verify_ms(bs, self.budgets)
         period = self.costs.row_ms(bs, self.budgets[-1:])[0]
         bound = largest_budget_gain_bound(verify, period)
         engaged = bound >= self.min_gain
-        if cached is None or cached[1] != engaged:
+        if self._announced.get(row) != engaged:
+            self._announced[row] = engaged
             logger.info("DDTREE budget: batch size %d %s: a smaller tree can gain at most "
                         "%.1f%% over B=%d (verify ms %s at startup, step %.2f ms; %s=%.3g)",
                         bs, "chooses per step" if engaged else "verifies the largest budget",
