@@ -307,8 +307,9 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
                        largest)
         return None
     if log:
-        logger.info("DDTREE batch-aware budget: candidates %s, verify graphs built for %d more "
-                    "widths (%.2f GiB); verify ms at startup by batch size: %s", budgets,
+        logger.info("DDTREE batch-aware budget: candidates %s, acting on predicted gains >= "
+                    "%.3g (%s), verify graphs built for %d more widths (%.2f GiB); verify ms "
+                    "at startup by batch size: %s", budgets, min_gain, MIN_GAIN_ENV,
                     len(budgets) - 1, free_before - torch.cuda.mem_get_info()[0] / 2**30,
                     {bs: {b: round(ms, 2) for b, ms in row.items()}
                      for bs, row in costs.table.items()})
