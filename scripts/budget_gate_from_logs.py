@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import re
 import statistics
 import tarfile
 from pathlib import Path
 
+from ddtree_sglang.bench.server_log import decode_lines, step_period_ms
 from ddtree_sglang.budget import largest_budget_gain_bound
-
-DECODE = re.compile(r"#running-req: (\d+),.*accept len: ([\d.]+),.*gen throughput "
-                    r"\(token/s\): ([\d.]+)")
 
 
 def read_logs(run: Path) -> dict[str, str]:
@@ -44,10 +41,9 @@ def startup_verify(text: str) -> dict[int, dict[int, float]] | None:
 def periods(text: str, min_lines: int) -> dict[int, float]:
     """Batch size -> median decode period (ms) over the decode-log lines of that batch size."""
     seen: dict[int, list[float]] = {}
-    for m in DECODE.finditer(text):
-        running, accept, tok_s = int(m[1]), float(m[2]), float(m[3])
+    for running, accept, tok_s in decode_lines(text):
         if tok_s > 0:
-            seen.setdefault(running, []).append(running * accept / tok_s * 1e3)
+            seen.setdefault(running, []).append(step_period_ms(running, accept, tok_s))
     return {bs: statistics.median(v) for bs, v in seen.items() if len(v) >= min_lines}
 
 

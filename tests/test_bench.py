@@ -265,14 +265,14 @@ def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
     monkeypatch.setattr(cells, "warm_up", lambda cfg, urls, *a: events.append(("warm", urls[0])))
     rate = iter([10.0, 20.0, 30.0, 12.0, 22.0, 32.0, 8.0, 18.0, 28.0]).__next__
 
-    def once(cfg, urls, prompts, params, conc, bar):
+    def once(cfg, urls, prompts, params, conc, bar, logs):
         events.append(("measure", urls[0]))
         return dict(output_tok_s=rate(), steady_tok_s=None), [urls[0]]
 
     monkeypatch.setattr(cells, "measure_once", once)
     cfg = SimpleNamespace(repeats=3, warmup_per_cell=True)
     arms = [Arm(name=n, algorithm="DDTREE", budget=8) for n in "abc"]
-    live = [(arm, [arm.name]) for arm in arms]
+    live = [(arm, [arm.name], []) for arm in arms]
     out = cells.measure_interleaved(cfg, live, [], {}, 4, lambda **kw: _Bar())
     measured = [u for kind, u in events if kind == "measure"]
     assert measured == list("abc" "bca" "cab")

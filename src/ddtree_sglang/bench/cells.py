@@ -12,7 +12,10 @@ round is a paired comparison of the arms (`rounds_tok_s`, in round order).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ddtree_sglang.bench import client
+from ddtree_sglang.bench.server_log import LogWindow, full_load_decode
 
 
 def cell_done(cfg, seconds: float, requests: int) -> bool:
@@ -34,8 +37,11 @@ def warm_up(cfg, urls: list[str], prompts, params, conc: int) -> None:
     client.run_level(urls, prompts, params, conc, conc * len(urls), endpoint=cfg.endpoint)
 
 
-def measure_once(cfg, urls: list[str], prompts, params, conc: int, bar) -> tuple[dict, list]:
-    """One measurement: (summary with its steady-state tokens/s, per-request results)."""
+def measure_once(cfg, urls: list[str], prompts, params, conc: int, bar,
+                 logs: list[Path] = ()) -> tuple[dict, list]:
+    """One measurement: (summary with its steady-state tokens/s and, from the servers' `logs`,
+    their decode lines at full load (server_log.full_load_decode), per-request results)."""
+    window = LogWindow(list(logs))
     if cfg.min_cell_seconds or cfg.min_cell_requests:  # sustained load to a minimum
         results, wall, drain_at = client.run_sustained(
             urls, prompts, params, conc, lambda s, k: cell_done(cfg, s, k), bar,
@@ -45,7 +51,9 @@ def measure_once(cfg, urls: list[str], prompts, params, conc: int, bar) -> tuple
         results, wall = client.run_level(urls, prompts, params, conc, requests_for(cfg, conc),
                                          bar, endpoint=cfg.endpoint)
         steady = None
-    return {**client.summarize(results, wall), "steady_tok_s": steady}, results
+    server = full_load_decode(window.read(), conc) if logs else None
+    return {**client.summarize(results, wall), "steady_tok_s": steady,
+            "server_decode": server}, results
 
 
 def cell_row(arm, conc: int, runs: list[tuple[dict, list]],
@@ -63,13 +71,15 @@ def cell_row(arm, conc: int, runs: list[tuple[dict, list]],
         row["runs_steady_tok_s"] = [r[0]["steady_tok_s"] for r in ordered]
         row["spread"] = round((max(rates) - min(rates)) / summary["output_tok_s"], 3) \
             if summary["output_tok_s"] else None
+    if len(runs) > 1:
+        row["runs_server_decode"] = [r[0].get("server_decode") for r in ordered]
     if interleaved:
         row["rounds_tok_s"] = [r[0]["output_tok_s"] for r in runs]
     return results, row
 
 
 def measure_cell(cfg, urls: list[str], prompts, params, arm, conc: int,
-                 progress_bar) -> tuple[list, dict]:
+                 progress_bar, logs: list[Path] = ()) -> tuple[list, dict]:
     """One (arm, concurrency) cell measured on its own: an optional warm-up round, then
     `cfg.repeats` measurements."""
     if cfg.warmup_per_cell:
@@ -77,13 +87,13 @@ def measure_cell(cfg, urls: list[str], prompts, params, arm, conc: int,
     runs = []
     for rep in range(cfg.repeats):
         with progress_bar(desc=f"{arm.name} c={conc} #{rep + 1}", leave=False) as bar:
-            runs.append(measure_once(cfg, urls, prompts, params, conc, bar))
+            runs.append(measure_once(cfg, urls, prompts, params, conc, bar, logs))
     return cell_row(arm, conc, runs)
 
 
 def measure_interleaved(cfg, live: list[tuple], prompts, params, conc: int,
                         progress_bar) -> list[tuple[list, dict]]:
-    """Every arm of `live` ([(arm, urls)], servers all up) at one concurrency, in rounds: per
+    """Every arm of `live` ([(arm, urls, logs)], servers all up) at one concurrency, in rounds: per
     round one measurement of each arm, round r starting at arm r mod n (none always goes
     first), each after a warm-up round of its own with warmup_per_cell (an arm has waited
     idle through the others' turns).  Returns one (results, row) per arm, in `live`'s order."""
@@ -91,9 +101,9 @@ def measure_interleaved(cfg, live: list[tuple], prompts, params, conc: int,
     for rep in range(cfg.repeats):
         for k in range(len(live)):
             i = (rep + k) % len(live)
-            arm, urls = live[i]
+            arm, urls, logs = live[i]
             if cfg.warmup_per_cell:
                 warm_up(cfg, urls, prompts, params, conc)
             with progress_bar(desc=f"{arm.name} c={conc} round {rep + 1}", leave=False) as bar:
-                runs[i].append(measure_once(cfg, urls, prompts, params, conc, bar))
-    return [cell_row(arm, conc, r, interleaved=True) for (arm, _), r in zip(live, runs)]
+                runs[i].append(measure_once(cfg, urls, prompts, params, conc, bar, logs))
+    return [cell_row(arm, conc, r, interleaved=True) for (arm, _, _), r in zip(live, runs)]

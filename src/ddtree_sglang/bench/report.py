@@ -10,14 +10,17 @@ def markdown(results: dict) -> str:
     the last columns list every measurement and their spread ((max - min) / median)."""
     meta = results["meta"]
     repeated = any("runs_tok_s" in row for row in results["rows"])
+    server = any(row.get("server_decode") for row in results["rows"])
     lines = [f"# {meta['name']}: {meta['device']}, {meta['date']}", "",
              f"Command: `{meta['command']}`  ", f"Commit: `{meta.get('commit', '?')}`; "
              f"replicas: {meta['replicas']}; max_new_tokens {meta['max_new_tokens']}; "
              f"temperature {meta['temperature']}; endpoint "
              f"{(meta.get('config') or {}).get('endpoint', 'native')}", "",
              "| arm | conc/replica | output tok/s | vs no-spec | TPOT p50 ms | TPOT p90 ms | "
-             "TTFT p50 ms | accept len | errors |" + (" runs tok/s | spread |" if repeated else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if repeated else "")]
+             "TTFT p50 ms | accept len | errors |" + (" runs tok/s | spread |" if repeated else "")
+             + (" server step ms | server tok/s |" if server else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if repeated else "")
+             + ("---|---|" if server else "")]
     base = {row["concurrency"]: row["output_tok_s"] for row in results["rows"]
             if row["arm"] == meta.get("reference_arm")}
     for row in results["rows"]:
@@ -27,7 +30,8 @@ def markdown(results: dict) -> str:
                      f"{row['tpot_p50_ms']} | {row['tpot_p90_ms']} | {row['ttft_p50_ms']} | "
                      f"{row['accept_length']} | {row['errors']} |"
                      + (f" {' / '.join(map(str, row.get('runs_tok_s', [])))} | "
-                        f"{row.get('spread', '')} |" if repeated else ""))
+                        f"{row.get('spread', '')} |" if repeated else "")
+                     + (_server_cells(row) if server else ""))
     lines += budget_verdict(results["rows"])
     if results.get("correctness"):
         lines += ["", "Greedy outputs against the no-speculation arm (same prompts):", "",
@@ -38,6 +42,15 @@ def markdown(results: dict) -> str:
     if results.get("failures"):
         lines += ["", "Arms that failed:", ""] + [f"- {k}: {v}" for k, v in results["failures"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _server_cells(row: dict) -> str:
+    """The median measurement's decode step period and tokens/s from the server's own log at
+    full load (bench/server_log.py), with how many log lines they come from."""
+    d = row.get("server_decode")
+    if not d:
+        return "  |  |"
+    return f" {d['step_ms']} ({d['lines']} lines) | {d['gen_tok_s']} |"
 
 
 # Issue 13's bar: the batch-aware budget within 3% of the best arm at every concurrency

@@ -139,10 +139,10 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
     with closing(groups):
         for group in groups:
             failures.update({arm.name: error for arm, _, error in group if error})
-            live = [(arm, [s.url for s in servers]) for arm, servers, error in group
-                    if not error]
+            live = [(arm, [s.url for s in servers], [s.log_path for s in servers])
+                    for arm, servers, error in group if not error]
             measured = measure_group(cfg, live, prompts, params)
-            for arm, urls in live:  # rows arm by arm, the reference last
+            for arm, urls, _ in live:  # rows arm by arm, the reference last
                 greedy = {}
                 for res, row in measured[arm.name]:
                     rows.append(row)
@@ -163,22 +163,23 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
     return results
 
 
-def measure_group(cfg: BenchConfig, live: list[tuple[Arm, list[str]]], prompts,
+def measure_group(cfg: BenchConfig, live: list[tuple[Arm, list[str], list[Path]]], prompts,
                   params) -> dict[str, list[tuple[list, dict]]]:
-    """Every (arm, concurrency) cell of the arms whose servers are up: arm name -> [(results,
-    row)] by concurrency.  Interleaved in rounds with `cfg.interleave`, else arm by arm."""
+    """Every (arm, concurrency) cell of the arms whose servers are up ([(arm, urls, server
+    logs)]): arm name -> [(results, row)] by concurrency.  Interleaved in rounds with
+    `cfg.interleave`, else arm by arm."""
     from tqdm import tqdm
 
-    for arm, urls in live:  # warm-up (JIT, graphs)
+    for arm, urls, _ in live:  # warm-up (JIT, graphs)
         client.run_level(urls, prompts, params, 2, 2 * len(urls), endpoint=cfg.endpoint)
-    measured = {arm.name: [] for arm, _ in live}
+    measured = {arm.name: [] for arm, _, _ in live}
     for conc in cfg.concurrency:
         if cfg.interleave:
             cells_at = cells.measure_interleaved(cfg, live, prompts, params, conc, tqdm)
         else:
-            cells_at = [cells.measure_cell(cfg, urls, prompts, params, arm, conc, tqdm)
-                        for arm, urls in live]
-        for (arm, urls), (res, row) in zip(live, cells_at):
+            cells_at = [cells.measure_cell(cfg, urls, prompts, params, arm, conc, tqdm, logs)
+                        for arm, urls, logs in live]
+        for (arm, urls, _), (res, row) in zip(live, cells_at):
             if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
                 acc = [a for a in map(client.server_accept_length, urls) if a is not None]
                 row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None

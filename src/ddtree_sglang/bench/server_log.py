@@ -1,0 +1,57 @@
+"""What a server's own log says about a measurement: SGLang's decode-batch lines.
+
+SGLang logs one line every few decode steps with the running requests, the mean accept length
+and the generation throughput over those steps.  Lines with the full load running give the
+server-side decode rate and step period of a measurement, free of the client's ramp-up,
+drain and streaming overhead, so a spread between repeats can be told apart: a server that
+really decoded slower, or a client-side difference.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+),.*?"
+                         r"gen throughput \(token/s\): ([\d.]+)")
+
+
+def decode_lines(text: str) -> list[tuple[int, float, float]]:
+    """(running requests, accept length, generation tokens/s) of every decode-batch line;
+    a non-speculative server's lines have no accept length and are skipped."""
+    return [(int(m[1]), float(m[2]), float(m[3])) for m in DECODE_LINE.finditer(text)]
+
+
+def step_period_ms(running: int, accept: float, tok_s: float) -> float:
+    """A decode step's period implied by one line: its tokens over the throughput."""
+    return running * accept / tok_s * 1e3
+
+
+def full_load_decode(text: str, running: int) -> dict | None:
+    """Medians over the lines with exactly `running` requests in flight (the full load of a
+    measurement): lines, server tokens/s, accept length, step period; None without any."""
+    rows = [(a, t) for n, a, t in decode_lines(text) if n == running and t > 0]
+    if not rows:
+        return None
+    return dict(lines=len(rows), gen_tok_s=round(statistics.median(t for _, t in rows), 1),
+                accept_len=round(statistics.median(a for a, _ in rows), 3),
+                step_ms=round(statistics.median(step_period_ms(running, a, t)
+                                                for a, t in rows), 3))
+
+
+class LogWindow:
+    """The text that server logs gain between construction and read() (one measurement)."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = [Path(p) for p in paths]
+        self.offsets = [p.stat().st_size if p.is_file() else 0 for p in self.paths]
+
+    def read(self) -> str:
+        parts = []
+        for path, offset in zip(self.paths, self.offsets):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    parts.append(f.read().decode(errors="replace"))
+        return "".join(parts)
