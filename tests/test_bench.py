@@ -598,3 +598,19 @@ def test_repeated_cost_cells_report_median_and_spread():
     failed = [RequestResult(0, 0, error="boom")]
     assert repeated_step_ms([failed, level(8.0)])["step_ms"] == 8.0
     assert repeated_step_ms([failed]) == {"step_ms": None}
+
+
+def test_results_are_saved_after_every_level(tmp_path, fake_env):
+    """A run cut short by its time limit keeps every level it finished (all arms of a group
+    start together, so saving per group would keep nothing until the group ends)."""
+    cfg = load_config(write_config(tmp_path, gpus=[0], startup_group=2, max_total_tokens=65536,
+                                   concurrency=[1, 2], interleave=True,
+                                   arms=[{"name": "dflash", "algorithm": "DFLASH"},
+                                         {"name": "ddtree-b32", "algorithm": "DDTREE",
+                                          "budget": 32}]))
+    saved = []
+    serve_bench.run_throughput(cfg, tmp_path / "out", "cmd",
+                               save=lambda r: saved.append([(x["arm"], x["concurrency"])
+                                                            for x in r["rows"]]))
+    assert saved[0] == [("dflash", 1), ("ddtree-b32", 1)]  # after the first level
+    assert saved[-1] == [("dflash", 1), ("dflash", 2), ("ddtree-b32", 1), ("ddtree-b32", 2)]

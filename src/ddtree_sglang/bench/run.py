@@ -124,9 +124,10 @@ def started_arms(cfg: BenchConfig, arms: list[Arm], spec_of, out: Path):
 
 
 def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict:
-    """Every arm, every concurrency level; `save(results)` is called after each group of arms
-    started together.  With `cfg.interleave` the arms of a group are measured in rounds
-    (cells.measure_interleaved), else one after another."""
+    """Every arm, every concurrency level; `save(results)` is called after each level (a run
+    cut short keeps what it measured).  Per group of arms started together and per level, the
+    arms are measured in rounds with `cfg.interleave` (cells.measure_interleaved), else each
+    arm's whole cell in turn."""
     prompts = load_prompts(cfg)
     params = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
     model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
@@ -141,20 +142,27 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
             failures.update({arm.name: error for arm, _, error in group if error})
             live = [(arm, [s.url for s in servers], [s.log_path for s in servers])
                     for arm, servers, error in group if not error]
-            measured = measure_group(cfg, live, prompts, params)
-            for arm, urls, _ in live:  # rows arm by arm, the reference last
-                greedy = {}
-                for res, row in measured[arm.name]:
+            first = len(rows)
+
+            def level_done(measured: list[tuple[Arm, list, dict]]) -> None:
+                for arm, res, row in measured:
                     rows.append(row)
+                    greedy = outputs.setdefault(arm.name, {})
                     for r in res:
                         if r.error is None:
                             greedy.setdefault(r.prompt_index, r.output_ids)
-                outputs[arm.name] = greedy
-                if arm is ref and cfg.temperature == 0:
-                    for other, outs in outputs.items():
-                        if other != ref.name:
-                            correctness[other] = compare.compare_to_reference(
-                                prompts, outs, greedy, urls[0])
+                if save:
+                    save(results)
+
+            measure_group(cfg, live, prompts, params, level_done)
+            rank = {arm.name: i for i, (arm, _, _) in enumerate(live)}
+            rows[first:] = sorted(rows[first:], key=lambda r: rank[r["arm"]])  # arm by arm
+            if ref is not None and cfg.temperature == 0 and ref.name in rank:
+                url = next(urls[0] for arm, urls, _ in live if arm is ref)
+                for other, outs in outputs.items():
+                    if other != ref.name:
+                        correctness[other] = compare.compare_to_reference(
+                            prompts, outs, outputs[ref.name], url)
             for _, servers, _ in group:
                 for s in servers or ():
                     s.stop()
@@ -164,28 +172,28 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
 
 
 def measure_group(cfg: BenchConfig, live: list[tuple[Arm, list[str], list[Path]]], prompts,
-                  params) -> dict[str, list[tuple[list, dict]]]:
+                  params, level_done) -> None:
     """Every (arm, concurrency) cell of the arms whose servers are up ([(arm, urls, server
-    logs)]): arm name -> [(results, row)] by concurrency.  Interleaved in rounds with
-    `cfg.interleave`, else arm by arm."""
+    logs)]), level by level: `level_done([(arm, results, row)])` after each level.  In rounds
+    with `cfg.interleave`, else each arm's cell in turn."""
     from tqdm import tqdm
 
     for arm, urls, _ in live:  # warm-up (JIT, graphs)
         client.run_level(urls, prompts, params, 2, 2 * len(urls), endpoint=cfg.endpoint)
-    measured = {arm.name: [] for arm, _, _ in live}
     for conc in cfg.concurrency:
         if cfg.interleave:
             cells_at = cells.measure_interleaved(cfg, live, prompts, params, conc, tqdm)
         else:
             cells_at = [cells.measure_cell(cfg, urls, prompts, params, arm, conc, tqdm, logs)
                         for arm, urls, logs in live]
+        measured = []
         for (arm, urls, _), (res, row) in zip(live, cells_at):
             if arm.algorithm and row["accept_length"] is None:  # OpenAI endpoint
                 acc = [a for a in map(client.server_accept_length, urls) if a is not None]
                 row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
-            measured[arm.name].append((res, row))
+            measured.append((arm, res, row))
             print(json.dumps(row), flush=True)
-    return measured
+        level_done(measured)
 
 
 cell_done = cells.cell_done  # the cell minimum (tests and callers read it here)
