@@ -14,7 +14,8 @@ def test_full_load_lines_give_the_server_side_rate_and_period():
     assert decode_lines(text)[0] == (2, 4.0, 500.0)
     got = full_load_decode(text, 4)
     # periods 4 x 4.0 / 1000 = 16 ms, 4 x 4.2 / 1200 = 14 ms, 4 x 4.4 / 1100 = 16 ms
-    assert got == dict(lines=3, gen_tok_s=1100.0, accept_len=4.2, step_ms=16.0)
+    assert got == dict(lines=3, gen_tok_s=1100.0, accept_len=4.2, step_ms=16.0,
+                       step_ms_p10=14.0)
     assert full_load_decode(text, 8) is None
 
 
@@ -39,7 +40,10 @@ def test_report_shows_the_servers_own_step_period_where_logged():
                server_decode=dict(lines=3, gen_tok_s=1100.0, accept_len=4.2, step_ms=16.0))
     md = report.markdown(dict(meta=meta, rows=[row, dict(row, concurrency=8, server_decode=None)],
                               failures={}))
-    assert "| server step ms | server tok/s |" in md
-    assert "| 16.0 (3 lines) | 1100.0 |" in md and md.count("|  |  |") >= 1
+    assert "| server step ms (p10) | server tok/s |" in md
+    assert "| 16.0 (; 3 lines) | 1100.0 |" in md and md.count("|  |  |") >= 1
+    row["server_decode"]["step_ms_p10"] = 14.0
+    md = report.markdown(dict(meta=meta, rows=[row], failures={}))
+    assert "| 16.0 (14.0; 3 lines) | 1100.0 |" in md
     assert "server step ms" not in report.markdown(
         dict(meta=meta, rows=[dict(row, server_decode=None)], failures={}))
