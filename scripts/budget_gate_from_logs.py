@@ -8,6 +8,7 @@ server logged ("verify ms at startup by batch size"), and the step period of a f
 server at the same maximum, per batch size, from SGLang's decode log (running requests x
 accept length / generation throughput; a median over the log's lines).  Prints, per batch
 size, the bound budget.largest_budget_gain_bound gives and whether the choice would run.
+With --floors: every server's decode period per batch size, median and quiet floor.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import statistics
 import tarfile
 from pathlib import Path
 
-from ddtree_sglang.bench.server_log import decode_lines, step_period_ms
+from ddtree_sglang.bench.server_log import decode_lines, full_load_decode, step_period_ms
 from ddtree_sglang.budget import largest_budget_gain_bound
 
 
@@ -47,6 +48,18 @@ def periods(text: str, min_lines: int) -> dict[int, float]:
     return {bs: statistics.median(v) for bs, v in seen.items() if len(v) >= min_lines}
 
 
+def print_floors(logs: dict[str, str], min_lines: int) -> None:
+    print("| server | batch | lines | step ms median | step ms p10 | accept len | tok/ms at p10 |")
+    print("|---|---|---|---|---|---|---|")
+    for name, text in sorted(logs.items()):
+        for bs in sorted({n for n, _, _ in decode_lines(text)}):
+            d = full_load_decode(text, bs)
+            if d and d["lines"] >= min_lines:
+                print(f"| {name.rsplit('_r', 1)[0]} | {bs} | {d['lines']} | {d['step_ms']:.2f} | "
+                      f"{d['step_ms_p10']:.2f} | {d['accept_len']:.2f} | "
+                      f"{bs * d['accept_len'] / d['step_ms_p10']:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="a serve_bench --out folder with logs.tgz or logs/")
@@ -55,8 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-gain", type=float, default=0.03)
     ap.add_argument("--min-lines", type=int, default=10,
                     help="decode-log lines a batch size needs (fewer: warm-up noise)")
+    ap.add_argument("--floors", action="store_true",
+                    help="instead: every server's decode period per batch size (median and "
+                         "10th percentile, the quiet floor) and accept length")
     args = ap.parse_args(argv)
     logs = read_logs(args.run)
+    if args.floors:
+        print_floors(logs, args.min_lines)
+        return 0
     auto = next((t for n, t in logs.items() if n.startswith(args.auto_arm + "_")), None)
     fixed = next((t for n, t in logs.items() if n.startswith(args.fixed_arm + "_")), None)
     table = startup_verify(auto or "")

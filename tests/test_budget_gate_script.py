@@ -50,3 +50,12 @@ def test_missing_logs_are_named(tmp_path, capsys):
             runpy.run_path(str(SCRIPT), run_name="__main__")
     finally:
         sys.argv = saved
+
+
+def test_floors_list_every_servers_periods(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "ddtree-b64_r0_gpu0.log").write_text(decode_line(8, 4.0, 4000.0) * 2
+                                                  + decode_line(8, 4.0, 2000.0))
+    out = run_script([str(tmp_path), "--floors", "--min-lines", "3"], capsys)
+    assert "| ddtree-b64 | 8 | 3 | 8.00 | 8.00 | 4.00 | 4.00 |" in out  # periods 8, 8, 16 ms
