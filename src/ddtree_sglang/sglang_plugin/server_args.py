@@ -113,12 +113,6 @@ def parse_explore_every(value: str) -> int:
     return n
 
 
-def explore_every_setting() -> int:
-    import os
-
-    return parse_explore_every(os.environ.get(EXPLORE_ENV, str(DEFAULT_EXPLORE_EVERY)))
-
-
 # The batch-aware budget acts only on predicted gains of at least this fraction of tokens/ms:
 # a batch size where no smaller tree can gain that much (budget.largest_budget_gain_bound)
 # verifies the largest budget with no choice, statistics or exploration, and a chosen budget
@@ -141,10 +135,25 @@ def parse_min_gain(value: str) -> float:
     return x
 
 
-def min_gain_setting() -> float:
+# The knobs that take a number: name -> (parser raising DDTreeConfigError, default).
+PARSED_ENV = {EXPLORE_ENV: (parse_explore_every, str(DEFAULT_EXPLORE_EVERY)),
+              MIN_GAIN_ENV: (parse_min_gain, str(DEFAULT_MIN_GAIN))}
+
+
+def parsed_setting(name: str):
+    """A PARSED_ENV knob's value from the environment (checked; its default when unset)."""
     import os
 
-    return parse_min_gain(os.environ.get(MIN_GAIN_ENV, str(DEFAULT_MIN_GAIN)))
+    parse, default = PARSED_ENV[name]
+    return parse(os.environ.get(name, default))
+
+
+def explore_every_setting() -> int:
+    return parsed_setting(EXPLORE_ENV)
+
+
+def min_gain_setting() -> float:
+    return parsed_setting(MIN_GAIN_ENV)
 
 
 def check_env(name: str, value: str) -> None:
@@ -153,14 +162,11 @@ def check_env(name: str, value: str) -> None:
     if name == BUDGETS_ENV:
         parse_budgets(value, MAX_BUDGET)  # the range against B is checked by validate()
         return
-    if name == EXPLORE_ENV:
-        parse_explore_every(value)
-        return
-    if name == MIN_GAIN_ENV:
-        parse_min_gain(value)
+    if name in PARSED_ENV:
+        PARSED_ENV[name][0](value)
         return
     if name not in ENV_CHOICES:
-        known = [*ENV_CHOICES, BUDGETS_ENV, EXPLORE_ENV, MIN_GAIN_ENV]
+        known = [*ENV_CHOICES, BUDGETS_ENV, *PARSED_ENV]
         raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(known))}")
     if value not in ENV_CHOICES[name]:
         raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
@@ -331,9 +337,9 @@ def validate(args: Any) -> None:
             env_setting(name)
         except DDTreeConfigError as exc:
             errors.append(str(exc))
-    for setting in (explore_every_setting, min_gain_setting):
+    for name in PARSED_ENV:
         try:
-            setting()
+            parsed_setting(name)
         except DDTreeConfigError as exc:
             errors.append(str(exc))
     page = _get(args, "page_size")
