@@ -40,7 +40,8 @@ def startup_verify(text: str) -> dict[int, dict[int, float]] | None:
 
 
 def periods(text: str, min_lines: int) -> dict[int, float]:
-    """Batch size -> median decode period (ms) over the decode-log lines of that batch size."""
+    """Batch size -> median decode period (ms) over the decode-log lines of that batch size
+    (unrounded: the bound of a short period moves with the last digits)."""
     seen: dict[int, list[float]] = {}
     for running, accept, tok_s in decode_lines(text):
         if tok_s > 0:
@@ -48,16 +49,20 @@ def periods(text: str, min_lines: int) -> dict[int, float]:
     return {bs: statistics.median(v) for bs, v in seen.items() if len(v) >= min_lines}
 
 
+def full_load_rows(text: str, min_lines: int) -> list[tuple[int, dict]]:
+    """(batch size, server_log.full_load_decode) for every batch size with enough lines."""
+    rows = [(bs, full_load_decode(text, bs)) for bs in sorted({n for n, _, _ in decode_lines(text)})]
+    return [(bs, d) for bs, d in rows if d and d["lines"] >= min_lines]
+
+
 def print_floors(logs: dict[str, str], min_lines: int) -> None:
     print("| server | batch | lines | step ms median | step ms p10 | accept len | tok/ms at p10 |")
     print("|---|---|---|---|---|---|---|")
     for name, text in sorted(logs.items()):
-        for bs in sorted({n for n, _, _ in decode_lines(text)}):
-            d = full_load_decode(text, bs)
-            if d and d["lines"] >= min_lines:
-                print(f"| {name.rsplit('_r', 1)[0]} | {bs} | {d['lines']} | {d['step_ms']:.2f} | "
-                      f"{d['step_ms_p10']:.2f} | {d['accept_len']:.2f} | "
-                      f"{bs * d['accept_len'] / d['step_ms_p10']:.2f} |")
+        for bs, d in full_load_rows(text, min_lines):
+            print(f"| {name.rsplit('_r', 1)[0]} | {bs} | {d['lines']} | {d['step_ms']:.2f} | "
+                  f"{d['step_ms_p10']:.2f} | {d['accept_len']:.2f} | "
+                  f"{bs * d['accept_len'] / d['step_ms_p10']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:

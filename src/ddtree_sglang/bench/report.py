@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 
@@ -107,10 +108,8 @@ def _round_ratios(auto: dict, others: list[dict]) -> str:
               and len(r["rounds_tok_s"]) == len(rounds or ()) and r.get("call") == auto.get("call")]
     if not rounds or len(paired) != len(others):
         return ""
-    ratios = sorted(a / max(o[i] for o in paired) for i, a in enumerate(rounds))
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return f"{median:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})"
+    ratios = [a / max(o[i] for o in paired) for i, a in enumerate(rounds)]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
 def plots(results: dict, out_dir: Path) -> list[Path]:
