@@ -71,7 +71,6 @@ def cell_row(arm, conc: int, runs: list[tuple[dict, list]],
         row["runs_steady_tok_s"] = [r[0]["steady_tok_s"] for r in ordered]
         row["spread"] = round((max(rates) - min(rates)) / summary["output_tok_s"], 3) \
             if summary["output_tok_s"] else None
-    if len(runs) > 1:
         row["runs_server_decode"] = [r[0].get("server_decode") for r in ordered]
     if interleaved:
         row["rounds_tok_s"] = [r[0]["output_tok_s"] for r in runs]
