@@ -256,6 +256,7 @@ def test_serving_run_split_by_concurrency_merges_and_judges_the_batch_aware_arm(
 def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
     """Round r measures each arm once, starting at arm r mod n, each after its own warm-up;
     rows keep the round order beside the sorted rates."""
+    from contextlib import nullcontext
     from types import SimpleNamespace
 
     from ddtree_sglang.bench import cells
@@ -273,7 +274,7 @@ def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
     cfg = SimpleNamespace(repeats=3, warmup_per_cell=True)
     arms = [Arm(name=n, algorithm="DDTREE", budget=8) for n in "abc"]
     live = [(arm, [arm.name], []) for arm in arms]
-    out = cells.measure_interleaved(cfg, live, [], {}, 4, lambda **kw: _Bar())
+    out = cells.measure_interleaved(cfg, live, [], {}, 4, lambda **kw: nullcontext())
     measured = [u for kind, u in events if kind == "measure"]
     assert measured == list("abc" "bca" "cab")
     assert events[:2] == [("warm", "a"), ("measure", "a")]  # a warm-up before each measurement
@@ -282,14 +283,6 @@ def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
     assert rows["a"]["rounds_tok_s"] == [10.0, 32.0, 18.0]
     assert rows["a"]["runs_tok_s"] == [10.0, 18.0, 32.0] and rows["a"]["output_tok_s"] == 18.0
     assert [row["arm"] for _, row in out] == ["a", "b", "c"]
-
-
-class _Bar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_round_ratios_pair_the_arms_of_each_round():
