@@ -31,10 +31,20 @@ if [ -f .tcache/triton_cache.tar.xz ]; then
     mkdir -p "$TRITON_CACHE" && tar -xJf .tcache/triton_cache.tar.xz -C "$TRITON_CACHE" \
         && echo "triton cache: $(find "$TRITON_CACHE" -name '*.cubin' | wc -l) kernels restored"
 fi
+# FlashInfer compiles its kernels on first use too (about 100 s); its JIT folder travels the same
+# way, as .tcache/flashinfer_cache.tar.xz.
+FI_CACHE="$HOME/.cache/flashinfer"
+if [ -f .tcache/flashinfer_cache.tar.xz ]; then
+    mkdir -p "$FI_CACHE" && tar -xJf .tcache/flashinfer_cache.tar.xz -C "$FI_CACHE" \
+        && echo "flashinfer cache: $(find "$FI_CACHE" -name '*.so' | wc -l) modules restored"
+fi
 save_triton_cache() {
-    [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -d "$TRITON_CACHE" ] || return 0
-    (cd "$TRITON_CACHE" && find . -type f \( -name '*.cubin' -o -name '*.json' \) \
+    [ "${SAVE_TRITON_CACHE:-0}" = 1 ] || return 0
+    [ -d "$TRITON_CACHE" ] && (cd "$TRITON_CACHE" && find . -type f \( -name '*.cubin' -o -name '*.json' \) \
         | tar -cJf "$OUT/triton_cache.tar.xz" -T -) && ls -l "$OUT/triton_cache.tar.xz"
+    [ -d "$FI_CACHE" ] && (cd "$FI_CACHE" && find . -type f -name '*.so' \
+        | tar -cJf "$OUT/flashinfer_cache.tar.xz" -T -) && ls -l "$OUT/flashinfer_cache.tar.xz"
+    return 0
 }
 pack() { [ -d "$1/logs" ] && tar czf "$1/logs.tgz" -C "$1" logs && rm -rf "$1/logs"; }
 case "${1:-}" in

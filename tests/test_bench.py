@@ -101,9 +101,29 @@ def test_failed_arm_is_reported_and_others_run(tmp_path, fake_env, monkeypatch):
     assert "Arms that failed" in (out / "results.md").read_text()
 
 
+def test_default_and_backend_arms_reach_the_server_command():
+    """A DDTREE arm without a budget runs the shipped defaults (no width, no budget knob); an
+    arm's own attention backend overrides the config's."""
+    cfg = BenchConfig(name="x", arms=[
+        {"name": "ddtree-default", "algorithm": "DDTREE"},
+        {"name": "dflash-fi", "algorithm": "DFLASH", "attention_backend": "flashinfer"},
+        {"name": "ddtree-b63", "algorithm": "DDTREE", "budget": 63}])
+    default, dflash_fi, b63 = (serve_bench.server_spec(cfg, a, "m", "d") for a in cfg.arms)
+    cmd = default.cli(1)
+    assert "--speculative-num-draft-tokens" not in cmd and default.env == {}
+    assert cmd[cmd.index("--attention-backend") + 1] == "triton"
+    fi = dflash_fi.cli(1)
+    assert fi[fi.index("--attention-backend") + 1] == "flashinfer"
+    wide = b63.cli(1)
+    assert wide[wide.index("--speculative-num-draft-tokens") + 1] == "64"
+    assert b63.env == {"SGLANG_DDTREE_BUDGETS": "off"}
+    with pytest.raises(ValueError, match="attention_backend"):
+        BenchConfig(name="x", arms=[{"name": "a", "attention_backend": "fa3"}])
+
+
 def test_config_errors_are_clear(tmp_path):
-    with pytest.raises(ValueError, match="DDTREE needs a budget"):
-        BenchConfig(name="x", arms=[{"name": "a", "algorithm": "DDTREE"}])
+    with pytest.raises(ValueError, match="budget applies to DDTREE only"):
+        BenchConfig(name="x", arms=[{"name": "a", "algorithm": "DFLASH", "budget": 15}])
     with pytest.raises(ValueError, match="concurrency levels must be >= 1"):
         BenchConfig(name="x", arms=[{"name": "a"}], concurrency=[0])
     with pytest.raises(ValueError, match="arm names must be unique"):

@@ -20,18 +20,23 @@ class _Strict(BaseModel):
 
 
 class Arm(_Strict):
-    """One server configuration to compare: no speculation, DFLASH, or DDTREE(B)."""
+    """One server configuration to compare: no speculation, DFLASH, or DDTREE(B).
+
+    A DDTREE arm without a budget runs the package's shipped defaults (no
+    --speculative-num-draft-tokens, no budget knob): what a user gets who names only the
+    models."""
 
     name: str
     algorithm: Optional[Literal["DFLASH", "DDTREE"]] = None
-    budget: Optional[int] = Field(None, ge=1, description="DDTREE tree budget B")
+    budget: Optional[int] = Field(None, ge=1, description="DDTREE tree budget B (verify width "
+                                  "B + 1); unset: the shipped defaults")
+    attention_backend: Optional[Literal["triton", "flashinfer"]] = Field(
+        None, description="this arm's attention backend (unset: the config's)")
     env: dict[str, str] = Field({}, description="DDTREE environment knobs for this arm's server "
                                 "(SGLANG_DDTREE_*, checked against their accepted values)")
 
     @model_validator(mode="after")
     def _budget_only_for_ddtree(self) -> "Arm":
-        if self.algorithm == "DDTREE" and self.budget is None:
-            raise ValueError(f"arm {self.name}: DDTREE needs a budget")
         if self.algorithm != "DDTREE" and self.budget is not None:
             raise ValueError(f"arm {self.name}: budget applies to DDTREE only")
         from ddtree_sglang.sglang_plugin.server_args import check_env

@@ -61,8 +61,8 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
     return ServerSpec(
         model_path=model, name=arm.name, algorithm=arm.algorithm,
         draft_model_path=drafter if arm.algorithm else None,
-        num_draft_tokens=(arm.budget + 1) if arm.algorithm == "DDTREE" else None,
-        attention_backend=cfg.attention_backend, dtype=cfg.dtype,
+        num_draft_tokens=(arm.budget + 1) if arm.algorithm == "DDTREE" and arm.budget else None,
+        attention_backend=arm.attention_backend or cfg.attention_backend, dtype=cfg.dtype,
         mem_fraction_static=cfg.mem_fraction_static, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
         max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
@@ -71,9 +71,10 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
 
 
 def arm_env(arm: Arm) -> dict[str, str]:
-    """The arm's server env: a DDTREE arm verifies its fixed budget every step unless its env
-    asks for the batch-aware choice (SGLANG_DDTREE_BUDGETS=auto or a list)."""
-    if arm.algorithm != "DDTREE":
+    """The arm's server env: a DDTREE arm with a budget verifies it every step unless its env
+    asks for the batch-aware choice (SGLANG_DDTREE_BUDGETS=auto or a list); one without a
+    budget keeps the shipped defaults."""
+    if arm.algorithm != "DDTREE" or arm.budget is None:
         return dict(arm.env)
     from ddtree_sglang.sglang_plugin.server_args import BUDGETS_ENV
 
