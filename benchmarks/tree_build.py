@@ -27,12 +27,11 @@ from ddtree_sglang.reference.heap import heap_tree
 from ddtree_sglang.tree import build_draft_tree
 
 
-def triton_build(logits, budget, always_second_pass: bool = False):
+def triton_build(logits, budget):
     from ddtree_sglang.kernels.tree_build import build_draft_tree_triton, supported
 
     depth = logits.shape[1]
-    return build_draft_tree_triton(logits, budget, always_second_pass=always_second_pass) \
-        if supported(budget, depth) else None
+    return build_draft_tree_triton(logits, budget) if supported(budget, depth) else None
 
 
 def time_graph(fn, iters: int) -> float:
@@ -62,16 +61,13 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
 
     gpu_us = time_graph(step, iters)
     build_us = time_graph(build_only, iters)
-    kernel_us, kernel_equal, always_us = None, None, None
+    kernel_us, kernel_equal = None, None
     if triton_build(logits, budget) is not None:
         # recorded, not raised: one differing case must not cost the rest of the call's timings
         ref, fused = build_draft_tree(logits, budget), triton_build(logits, budget)
         kernel_equal = bool(torch.equal(ref.tokens, fused.tokens)
                             and torch.equal(ref.parents, fused.parents))
         kernel_us = time_graph(lambda: triton_build(logits, budget), iters)
-        # the kernel as it was before it skipped a depth's redundant second sort (A/B)
-        always_us = time_graph(lambda: triton_build(logits, budget, always_second_pass=True),
-                               iters)
     lp = torch.log_softmax(logits.float(), -1)
     heap_times = []
     for _ in range(heap_reps):
@@ -85,7 +81,6 @@ def bench_case(batch: int, budget: int, depth: int, vocab: int, ctx: int, iters:
                 gpu_step_us=round(gpu_us, 1), gpu_build_us=round(build_us, 1),
                 triton_build_us=None if kernel_us is None else round(kernel_us, 1),
                 triton_equals_torch=kernel_equal,
-                triton_always_second_us=None if always_us is None else round(always_us, 1),
                 cpu_heap_build_us=round(heap_us, 1), heap_over_gpu=round(heap_us / gpu_us, 1))
 
 
@@ -99,11 +94,10 @@ def write(args, rows: list[dict]) -> str:
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",
              "", f"`{meta['command']}`", "",
-             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | Triton, every depth sorted twice (us) | Triton = PyTorch | CPU heap build (us) | heap / GPU step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | Triton = PyTorch | CPU heap build (us) | heap / GPU step |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['budget']} | {r['gpu_step_us']} | {r['gpu_build_us']} | "
               f"{r['triton_build_us'] if r['triton_build_us'] is not None else '-'} | "
-              f"{r.get('triton_always_second_us') or '-'} | "
               f"{'-' if r['triton_equals_torch'] is None else r['triton_equals_torch']} | "
               f"{r['cpu_heap_build_us']} | {r['heap_over_gpu']}x |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -1,9 +1,10 @@
-"""The worker's batch-aware budget (sglang_plugin/adaptive_budget.py), on the CPU: the host
-choice follows what the GPU-side statistics learned, against the brute-force optimum."""
+"""The worker's batch-aware budget (budget.BudgetController through its SGLang glue,
+sglang_plugin/adaptive_budget.py), on the CPU: the host choice follows what the GPU-side
+statistics learned, against the brute-force optimum."""
 import pytest
 import torch
 
-from ddtree_sglang.budget import LiveStepCosts
+from ddtree_sglang.budget import BudgetController, LiveStepCosts
 from ddtree_sglang.sglang_plugin.adaptive_budget import (AdaptiveBudget, LaggedHostCopy,
                                                          StepTimer, _HostMark, verify_costs)
 
@@ -17,10 +18,13 @@ def depth_probs(bs: int, per_budget: list[float]) -> torch.Tensor:
     return p.contiguous()
 
 
-def make(costs: dict) -> AdaptiveBudget:
+def adaptive(costs: LiveStepCosts, **options) -> AdaptiveBudget:
     runtimes = {b + 1: (f"backend{b}", f"graphs{b}") for b in BUDGETS}
-    return AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts(costs), "cpu", decay=0.5,
-                          stats_every=1, explore_every=10**9)
+    return AdaptiveBudget(BudgetController(BUDGETS, costs, DEPTH, **options), runtimes)
+
+
+def make(costs: dict) -> AdaptiveBudget:
+    return adaptive(LiveStepCosts(costs), expected_decay=0.5)
 
 
 def brute_force(bs: int, expected: list[float], ms: list[float]) -> int:
@@ -38,11 +42,11 @@ def test_first_steps_use_the_configured_budget_then_the_best_rate():
                    torch.full((bs,), 5, dtype=torch.int32))
     learned = ab._lagged.latest()
     for bs in (1, 64):
-        want = brute_force(bs, learned.tolist(), [costs[bs][b] + ab.costs.rest_ms.get(bs, 0.0)
+        want = brute_force(bs, learned.tolist(), [costs[bs][b] + ab.controller.costs.rest_ms.get(bs, 0.0)
                                                  for b in BUDGETS])
         assert ab.choose(bs) == want
     assert ab.choose(1) == 32 and ab.choose(64) == 7  # wide tree alone, small tree under load
-    assert ab.steps == {7: 0, 15: 0, 32: 2}
+    assert ab.controller.steps == {7: 0, 15: 0, 32: 2}
 
 
 def test_calibration_lowers_an_overconfident_drafter():
@@ -94,9 +98,8 @@ def test_startup_costs_need_every_width_timed():
 
 
 def test_statistics_are_updated_on_every_nth_step_only():
-    runtimes = {b + 1: (None, None) for b in BUDGETS}
-    ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.0, 32: 1.0}}),
-                        "cpu", decay=0.5, stats_every=3)
+    ab = adaptive(LiveStepCosts({8: {7: 1.0, 15: 1.0, 32: 1.0}}), expected_decay=0.5,
+                  stats_every=3)
     ones = torch.full((8,), 5, dtype=torch.int32)  # every request accepts 4 draft tokens
     ab.observe(8, 32, depth_probs(8, [1.0, 2.0, 3.0]), ones)  # the first: kept
     first = ab._lagged.latest().clone()
@@ -104,13 +107,11 @@ def test_statistics_are_updated_on_every_nth_step_only():
     assert torch.equal(ab._lagged.latest(), first)
     ab.observe(8, 32, depth_probs(8, [0.0, 0.0, 0.0]), ones)  # 3rd: kept
     assert not torch.equal(ab._lagged.latest(), first)
-    assert ab.steps[32] == 3  # every step is counted and timed
+    assert ab.controller.steps[32] == 3  # every step is counted and timed
 
 
 def test_exploration_measures_every_candidate():
-    runtimes = {b + 1: (None, None) for b in BUDGETS}
-    ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}),
-                        "cpu", stats_every=1, explore_every=4)
+    ab = adaptive(LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}), explore_every=4)
     ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     picks = [ab.choose(8) for _ in range(12)]
@@ -134,20 +135,15 @@ def test_exploration_refreshes_the_stalest_cell_once_windows_are_full():
 
 
 def test_exploration_can_be_turned_off():
-    runtimes = {b + 1: (None, None) for b in BUDGETS}
-    ab = AdaptiveBudget(BUDGETS, DEPTH, runtimes, LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}),
-                        "cpu", stats_every=1, explore_every=0)
+    ab = adaptive(LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}), explore_every=0)
     ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     assert [ab.choose(8) for _ in range(40)] == [32] * 40
 
 
 def gated(costs: dict, min_gain: float = 0.03, explore_every: int = 4) -> AdaptiveBudget:
-    runtimes = {b + 1: (None, None) for b in BUDGETS}
-    return AdaptiveBudget(BUDGETS, DEPTH, runtimes,
-                          LiveStepCosts(costs, window=5, min_samples=1, skip_first=0), "cpu",
-                          decay=0.5, stats_every=1, explore_every=explore_every,
-                          min_gain=min_gain)
+    return adaptive(LiveStepCosts(costs, window=5, min_samples=1, skip_first=0),
+                    expected_decay=0.5, explore_every=explore_every, min_gain=min_gain)
 
 
 def test_a_host_bound_batch_size_verifies_the_largest_budget_with_no_choice(caplog):
@@ -155,8 +151,8 @@ def test_a_host_bound_batch_size_verifies_the_largest_budget_with_no_choice(capl
     smaller tree can gain 3%, so every step is the largest budget's, exploration included,
     and no statistics run (the same work as a pinned budget)."""
     ab = gated({1: {7: 0.11, 15: 0.12, 32: 0.14}})
-    assert not ab.engaged(1)  # no step timed yet: the period is unknown, the largest budget
-    ab.costs.observe(1, 32, 4.4)  # one live step: the period is known
+    assert not ab.controller.engaged(1)  # no step timed yet: the period is unknown, the largest budget
+    ab.controller.costs.observe(1, 32, 4.4)  # one live step: the period is known
     caplog.set_level("INFO")
     picks = [ab.choose(1) for _ in range(16)]
     for _ in range(4):  # the drafter would make B=7 look best if the choice ran
@@ -164,42 +160,42 @@ def test_a_host_bound_batch_size_verifies_the_largest_budget_with_no_choice(capl
     picks += [ab.choose(1) for _ in range(16)]
     assert picks == [32] * 32
     assert ab._lagged.latest() is None  # no statistics were gathered
-    assert ab.steps == {7: 0, 15: 0, 32: 4}
+    assert ab.controller.steps == {7: 0, 15: 0, 32: 4}
     assert sum("verifies the largest budget" in r.message for r in caplog.records) == 1
 
 
 def test_the_choice_engages_where_the_tree_size_costs_time_and_stops_where_it_does_not():
     ab = gated({8: {7: 2.0, 15: 3.0, 32: 6.0}})
-    ab.costs.observe(8, 32, 8.0)  # 4 ms of 8 could be saved: the choice matters
+    ab.controller.costs.observe(8, 32, 8.0)  # 4 ms of 8 could be saved: the choice matters
     ab.observe(8, 32, depth_probs(8, [1.0, 1.1, 1.2]), torch.full((8,), 2, dtype=torch.int32))
-    assert ab.engaged(8) and ab.choose(8) == 7
+    assert ab.controller.engaged(8) and ab.choose(8) == 7
     for _ in range(5):  # the host becomes the bottleneck: a 400 ms period
-        ab.costs.observe(8, 32, 400.0)
-    assert not ab.engaged(8) and ab.choose(8) == 32
+        ab.controller.costs.observe(8, 32, 400.0)
+    assert not ab.controller.engaged(8) and ab.choose(8) == 32
 
 
 def test_an_engaged_choice_does_not_flip_on_gains_below_the_margin():
     """Two budgets within 1% of each other: the first choice stays while estimates move by
     less than min_gain (live medians move by more than that between steps)."""
     ab = gated({8: {7: 5.0, 15: 5.05, 32: 9.0}}, explore_every=0)
-    ab.costs.observe(8, 32, 12.0)  # rest 3 ms: B=7 8 ms, B=15 8.05 ms, B=32 12 ms
+    ab.controller.costs.observe(8, 32, 12.0)  # rest 3 ms: B=7 8 ms, B=15 8.05 ms, B=32 12 ms
     ab.observe(8, 32, depth_probs(8, [1.0, 1.02, 1.3]), torch.full((8,), 2, dtype=torch.int32))
     expected = ab._lagged.latest().tolist()
     assert ab.choose(8) == brute_force(8, expected, [8.0, 8.05, 12.0]) == 15
-    ab.costs.observe(8, 7, 8.0)
-    ab.costs.observe(8, 15, 8.1)  # live: now B=7 is 0.4% better than B=15
-    assert brute_force(8, expected, ab.costs.row_ms(8, BUDGETS)) == 7
+    ab.controller.costs.observe(8, 7, 8.0)
+    ab.controller.costs.observe(8, 15, 8.1)  # live: now B=7 is 0.4% better than B=15
+    assert brute_force(8, expected, ab.controller.costs.row_ms(8, BUDGETS)) == 7
     assert ab.choose(8) == 15
     for _ in range(5):
-        ab.costs.observe(8, 15, 9.0)  # B=15 now costs 9 ms: B=7 is 11% better
+        ab.controller.costs.observe(8, 15, 9.0)  # B=15 now costs 9 ms: B=7 is 11% better
     assert ab.choose(8) == 7
 
 
 def test_min_gain_zero_is_the_ungated_choice():
     ab = gated({1: {7: 0.11, 15: 0.12, 32: 0.14}}, min_gain=0.0, explore_every=0)
-    ab.costs.observe(1, 32, 4.4)
+    ab.controller.costs.observe(1, 32, 4.4)
     ab.observe(1, 32, depth_probs(1, [3.0, 3.0, 3.0]), torch.full((1,), 4, dtype=torch.int32))
-    assert ab.engaged(1) and ab.choose(1) == 7  # equal acceptance: the cheapest verify
+    assert ab.controller.engaged(1) and ab.choose(1) == 7  # equal acceptance: the cheapest verify
 
 
 def test_served_steps_on_a_host_bound_batch_never_leave_the_largest_budget(monkeypatch):
@@ -217,5 +213,5 @@ def test_served_steps_on_a_host_bound_batch_never_leave_the_largest_budget(monke
         ab.observe(4, budget, depth_probs(4, [3.0, 3.0, 3.0]), torch.full((4,), 4, dtype=torch.int32))
         picks.append(budget)
     assert picks == [32] * 40 and ab._lagged.latest() is None
-    assert ab.costs.row_ms(4, [32]) == [pytest.approx(4.4)]
-    assert not ab.engaged(4)
+    assert ab.controller.costs.row_ms(4, [32]) == [pytest.approx(4.4)]
+    assert not ab.controller.engaged(4)

@@ -146,33 +146,37 @@ def test_truncating_the_largest_tree_gives_every_smaller_budgets_tree(seed, big,
 def test_step_costs_lookup_and_checks():
     from ddtree_sglang.budget import StepCosts
 
-    costs = StepCosts.from_cost_rows([
-        dict(algorithm="DDTREE", batch_size=1, budget=15, step_ms=8.0),
-        dict(algorithm="DDTREE", batch_size=1, budget=31, step_ms=8.5),
-        dict(algorithm="DDTREE", batch_size=8, budget=15, step_ms=11.0),
-        dict(algorithm="DFLASH", batch_size=1, budget=None, step_ms=7.9)])
-    assert costs.row(1, [15, 31]).tolist() == [8.0, 8.5]
-    assert costs.row(4, [15, 31]).tolist() == [11.0, float("inf")]  # next larger batch
-    assert costs.row(64, [15]).tolist() == [11.0]                   # beyond: the largest
+    costs = StepCosts({1: {15: 8.0, 31: 8.5}, 8: {15: 11.0}})
+    assert costs.row_ms(1, [15, 31]) == [8.0, 8.5]
+    assert costs.row_ms(4, [15, 31]) == [11.0, float("inf")]  # next larger batch
+    assert costs.row_ms(64, [15]) == [11.0]                   # beyond: the largest
     with pytest.raises(ValueError, match="positive"):
         StepCosts({1: {15: 0.0}})
     with pytest.raises(ValueError, match="at least one"):
         StepCosts({})
 
 
+def choose_for(ctl, tree) -> tuple[int, torch.Tensor]:
+    """The controller's budget for `tree` (built with its largest budget) from the tree's own
+    predictions, as the reference loop chooses; and those predictions."""
+    probs = expected_by_depth_per_request(tree.scores, tree.depths, ctl.budgets,
+                                          ctl.calibration.ratio.numel())
+    return ctl.choose(tree.batch_size, ctl.calibrated(probs).tolist()), probs
+
+
 def test_controller_prefers_wide_trees_when_cheap_and_narrow_when_not():
     from ddtree_sglang.budget import BudgetController, StepCosts
 
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(4, 6, 50, generator=g)
-    tree = build_draft_tree(logits, 32)
+    tree = build_draft_tree(torch.randn(4, 6, 50, generator=g), 32)
     flat = BudgetController([4, 16, 32], StepCosts({4: {4: 10.0, 16: 10.0, 32: 10.0}}), 6)
     steep = BudgetController([4, 16, 32], StepCosts({4: {4: 10.0, 16: 40.0, 32: 80.0}}), 6)
-    assert flat.choose(tree).budget == 32 and steep.choose(tree).budget == 4
-    with pytest.raises(ValueError, match="largest budget 32"):
-        flat.choose(build_draft_tree(logits, 16))
+    assert choose_for(flat, tree)[0] == 32 and choose_for(steep, tree)[0] == 4
+    assert flat.choose(4, None) == 32  # nothing known: the largest
     with pytest.raises(ValueError, match="ascending"):
         BudgetController([16, 4], StepCosts({1: {4: 1.0}}), 6)
+    with pytest.raises(ValueError, match="explore_every"):
+        BudgetController([4], StepCosts({1: {4: 1.0}}), 6, explore_every=-1)
 
 
 def test_controller_learns_that_the_target_rejects_deep_tokens():
@@ -184,10 +188,12 @@ def test_controller_learns_that_the_target_rejects_deep_tokens():
     logits[:, :, 0] = 6.0  # a confident drafter: deep prefixes look likely
     tree = build_draft_tree(logits, 16)
     ctl = BudgetController([2, 16], StepCosts({2: {2: 10.0, 16: 13.0}}), 6, decay=0.5)
-    assert ctl.choose(tree).budget == 16
+    assert choose_for(ctl, tree)[0] == 16
     for _ in range(20):
-        ctl.observe(ctl.choose(tree), torch.tensor([1, 1]))
-    assert ctl.choose(tree).budget == 2
+        budget, probs = choose_for(ctl, tree)
+        ctl.observe(2, budget, probs, torch.tensor([1, 1]))
+    assert choose_for(ctl, tree)[0] == 2
+    assert ctl.steps[16] >= 1
 
 
 def test_per_request_expectation_sums_to_the_batch_one():
@@ -209,17 +215,17 @@ def test_candidate_budgets_end_with_the_maximum():
 def test_live_costs_add_the_learned_rest_of_a_step_to_every_budget():
     costs = LiveStepCosts({8: {7: 10.0, 32: 20.0}, 64: {7: 30.0, 32: 90.0}}, window=3,
                           min_samples=3, skip_first=0)
-    assert costs.row(5, [7, 32]).tolist() == [10.0, 20.0]
+    assert costs.row_ms(5, [7, 32]) == [10.0, 20.0]
     costs.observe(5, 32, 26.0)  # a step at batch row 8 took 6 ms more than its verify
-    assert costs.row(8, [7, 32]).tolist() == [16.0, 26.0]
+    assert costs.row_ms(8, [7, 32]) == [16.0, 26.0]
     costs.observe(8, 7, 12.0)   # median of 6 and 2
-    assert costs.row(8, [7, 32]).tolist() == [14.0, 24.0]
+    assert costs.row_ms(8, [7, 32]) == [14.0, 24.0]
     costs.observe(8, 7, 90.0)   # a one-time spike (80 ms more) does not move the median
     assert costs.rest_ms[8] == 6.0
     # a row without live steps borrows the nearest row's remainder
-    assert costs.row(64, [7, 32]).tolist() == [36.0, 96.0]
+    assert costs.row_ms(64, [7, 32]) == [36.0, 96.0]
     costs.observe(64, 7, 31.0)
-    assert costs.row(64, [7, 32]).tolist() == [31.0, 91.0]  # then learns its own
+    assert costs.row_ms(64, [7, 32]) == [31.0, 91.0]  # then learns its own
     costs.observe(8, 15, 99.0)  # a budget without a verify time teaches nothing
     assert costs.rest_ms[8] == 6.0
 
@@ -232,11 +238,11 @@ def test_live_cells_replace_the_model_once_sampled():
         costs.observe(8, 32, ms)
     rest = costs.rest_ms[8]  # 19: charged to B = 7 too, which has no live steps yet
     assert rest == 19.0
-    assert costs.row(8, [7, 32]).tolist() == [29.0, 30.0]
+    assert costs.row_ms(8, [7, 32]) == [29.0, 30.0]
     assert costs.least_sampled(8, [7, 32]) == 7 and costs.least_sampled(8, [7, 15, 32]) == 7
     for ms in (14.0, 15.0, 16.0):  # B = 7 measured: 15 ms, not the modelled 29
         costs.observe(8, 7, ms)
-    assert costs.row(8, [7, 32]).tolist() == [15.0, 30.0]
+    assert costs.row_ms(8, [7, 32]) == [15.0, 30.0]
     with pytest.raises(ValueError, match="min_samples"):
         LiveStepCosts({8: {7: 1.0}}, window=2, min_samples=3)
     with pytest.raises(ValueError, match="skip_first"):
@@ -248,8 +254,8 @@ def test_first_live_step_of_each_cell_is_not_counted():
     started); counted, it made that batch size's remainder absurd until 15 more steps came."""
     costs = LiveStepCosts({24: {15: 0.125, 32: 0.25}}, window=15, min_samples=1)
     costs.observe(24, 15, 106_872.0)
-    assert costs.rest_ms == {} and costs.row(24, [15, 32]).tolist() == [0.125, 0.25]
+    assert costs.rest_ms == {} and costs.row_ms(24, [15, 32]) == [0.125, 0.25]
     costs.observe(24, 15, 8.125)
-    assert costs.row(24, [15, 32]).tolist() == [8.125, 8.25]
+    assert costs.row_ms(24, [15, 32]) == [8.125, 8.25]
     costs.observe(24, 32, 500.0)  # the first step of each cell, not only of each row
-    assert costs.row(24, [15, 32]).tolist() == [8.125, 8.25]
+    assert costs.row_ms(24, [15, 32]) == [8.125, 8.25]

@@ -35,15 +35,3 @@ def test_stage_clock_rejects_a_bad_period_and_the_default_does_nothing():
     off.start(1)
     off.mark("draft")
     off.end()
-
-
-def test_host_timing_knob_is_checked_like_the_others(monkeypatch):
-    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, env_setting
-
-    monkeypatch.setenv("SGLANG_DDTREE_HOST_TIMING", "yes")
-    with pytest.raises(DDTreeConfigError, match="accepted: 0, 1"):
-        env_setting("SGLANG_DDTREE_HOST_TIMING")
-    monkeypatch.setenv("SGLANG_DDTREE_HOST_TIMING", "1")
-    assert env_setting("SGLANG_DDTREE_HOST_TIMING") == "1"
-    monkeypatch.delenv("SGLANG_DDTREE_HOST_TIMING")
-    assert env_setting("SGLANG_DDTREE_HOST_TIMING") == "0"

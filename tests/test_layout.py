@@ -2,9 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ddtree_sglang.layout import (
-    ancestor_matrix, build_verify_layout, full_mask, packed_mask, truncate_layout, unpack_mask,
-)
+from ddtree_sglang.layout import build_verify_layout, full_mask, truncate_layout
 from ddtree_sglang.tree import build_draft_tree, truncate_tree
 
 
@@ -61,15 +59,6 @@ def test_positions_tokens_and_full_mask():
         assert bool(block[:, :s].all())
         assert torch.equal(block[:, s:], lay.ancestors[b])
         off += n * (s + n)
-
-
-@pytest.mark.parametrize("n", [1, 5, 32, 33, 65])
-def test_packed_mask_round_trip(n):
-    parents = torch.tensor([[-1] + [max(0, i - 2) for i in range(1, n)]])
-    anc = ancestor_matrix(parents, n)
-    packed = packed_mask(anc)
-    assert packed.shape == (1, n, (n + 31) // 32) and packed.dtype == torch.int32
-    assert torch.equal(unpack_mask(packed, n), anc)
 
 
 def test_full_mask_with_an_upper_bound_on_the_lengths():

@@ -139,97 +139,6 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
     validate(SimpleNamespace(**base))  # and the base itself is fine
 
 
-def test_environment_knobs_are_checked(monkeypatch):
-    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, env_setting, validate
-
-    assert env_setting("SGLANG_DDTREE_TREE_KERNEL") == "auto"
-    monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "cuda")
-    base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
-                speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
-    with pytest.raises(DDTreeConfigError, match="accepted: auto, torch, triton"):
-        validate(SimpleNamespace(**base))
-    monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "triton")
-    monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "yes")
-    with pytest.raises(DDTreeConfigError, match="accepted: 1, 0"):
-        validate(SimpleNamespace(**base))
-    monkeypatch.setenv("SGLANG_DDTREE_CUDA_GRAPH_TREE", "1")
-    monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "fast")
-    with pytest.raises(DDTreeConfigError, match=r"VERIFY_ATTENTION='fast'.*accepted: kernel, single, split"):
-        validate(SimpleNamespace(**base))
-    monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", "split")
-    monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,40")  # B = 32 here
-    with pytest.raises(DDTreeConfigError, match=r"BUDGETS='7,40' names a budget outside 1..32"):
-        validate(SimpleNamespace(**base))
-    monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "7,15")
-    validate(SimpleNamespace(**base))
-    monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "1")
-    with pytest.raises(DDTreeConfigError, match=r"EXPLORE_EVERY='1'.*integer >= 2.*or 0"):
-        validate(SimpleNamespace(**base))
-    monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "0")
-    monkeypatch.setenv("SGLANG_DDTREE_BUDGET_MIN_GAIN", "2")
-    with pytest.raises(DDTreeConfigError, match=r"MIN_GAIN='2'.*accepted: a number in"):
-        validate(SimpleNamespace(**base))
-
-
-def test_exploration_period_from_the_environment(monkeypatch):
-    from ddtree_sglang.sglang_plugin.server_args import (DDTreeConfigError, check_env,
-                                                         explore_every_setting,
-                                                         parse_explore_every)
-
-    assert explore_every_setting() == 32  # the default
-    assert parse_explore_every(" 2 ") == 2 and parse_explore_every("0") == 0
-    for bad in ("1", "-4", "often", ""):
-        with pytest.raises(DDTreeConfigError, match="accepted: an integer >= 2"):
-            parse_explore_every(bad)
-    check_env("SGLANG_DDTREE_EXPLORE_EVERY", "8")  # a benchmark arm's env
-    monkeypatch.setenv("SGLANG_DDTREE_EXPLORE_EVERY", "8")
-    assert explore_every_setting() == 8
-
-
-def test_budget_min_gain_from_the_environment(monkeypatch):
-    from ddtree_sglang.sglang_plugin.server_args import (MIN_GAIN_ENV, DDTreeConfigError,
-                                                         check_env, min_gain_setting,
-                                                         parse_min_gain)
-
-    monkeypatch.delenv(MIN_GAIN_ENV, raising=False)
-    assert min_gain_setting() == 0.03  # the default: act on predicted gains of 3% or more
-    assert parse_min_gain(" 0 ") == 0.0 and parse_min_gain("0.5") == 0.5
-    for bad in ("-0.01", "0.6", "3%", "", "nan"):
-        with pytest.raises(DDTreeConfigError, match=r"accepted: a number in \[0, 0.5\]"):
-            parse_min_gain(bad)
-    check_env(MIN_GAIN_ENV, "0.05")  # a benchmark arm's env
-    with pytest.raises(DDTreeConfigError, match="unknown env.*SGLANG_DDTREE_BUDGET_MIN_GAIN"):
-        check_env("SGLANG_DDTREE_BUDGET_MIN_GAINS", "0.05")
-    monkeypatch.setenv(MIN_GAIN_ENV, "0.1")
-    assert min_gain_setting() == 0.1
-
-
-def test_tree_attention_kernel_is_the_default_verify_attention(monkeypatch):
-    """The kernel was checked lossless in the server (e2e run 6) and measured faster than the
-    single masked call at every batch (cost run 6): it is the default; the others stay."""
-    from ddtree_sglang.sglang_plugin.server_args import env_setting
-
-    monkeypatch.delenv("SGLANG_DDTREE_VERIFY_ATTENTION", raising=False)
-    assert env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == "kernel"
-    for choice in ("single", "split"):
-        monkeypatch.setenv("SGLANG_DDTREE_VERIFY_ATTENTION", choice)
-        assert env_setting("SGLANG_DDTREE_VERIFY_ATTENTION") == choice
-
-
-def test_budget_candidates_from_the_environment():
-    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, check_env, parse_budgets
-
-    assert parse_budgets("auto", 32) == [7, 15, 32]
-    assert parse_budgets("off", 32) == [32]
-    assert parse_budgets(" 9, 4,9 ", 32) == [4, 9, 32]  # sorted, deduplicated, B added
-    assert parse_budgets("4,32", 32) == [4, 32]
-    for bad, needle in (("fast", "accepted: auto .default., off"), ("0,4", "outside 1..32"),
-                        ("", "accepted: auto"), ("4;8", "accepted: auto")):
-        with pytest.raises(DDTreeConfigError, match=needle):
-            parse_budgets(bad, 32)
-    check_env("SGLANG_DDTREE_BUDGETS", "16,64")  # benchmark arms: syntax only, B not known
-    with pytest.raises(DDTreeConfigError, match="accepted: .*SGLANG_DDTREE_BUDGETS"):
-        check_env("SGLANG_DDTREE_BUDGET", "auto")
 
 
 def test_benchmark_ddtree_arms_pin_their_budget_unless_asked():
@@ -260,31 +169,72 @@ def test_target_verify_graph_gets_the_tree_mask(plugin_loaded):
     assert info.custom_mask is mask and info.draft_token_num == 33 and info.max_tree_depth == 16
 
 
-def test_requests_ddtree_cannot_serve_are_rejected(plugin_loaded, monkeypatch):
-    from ddtree_sglang.sglang_plugin import internals, plugin
+def test_ddtree_serves_logprobs_and_grammars_and_keeps_dflash_s_other_checks(plugin_loaded,
+                                                                            monkeypatch):
+    """The request hook lets logprobs and constrained decoding through under DDTREE (DFLASH
+    refuses logprobs), still refuses what DFLASH's own check refuses (hidden states under
+    overlap), and leaves DFLASH's behaviour alone."""
+    from ddtree_sglang.sglang_plugin import contract, plugin
     from sglang.srt.speculative import dflash_utils
 
     req = SimpleNamespace(return_logprob=True, return_hidden_states=False,
-                          sampling_params=SimpleNamespace(json_schema=None, regex=None,
-                                                          ebnf=None, structural_tag=None))
-    monkeypatch.setattr(internals, "runtime_spec",
+                          origin_input_ids=[1, 2], vocab_size=10,
+                          sampling_params=SimpleNamespace(json_schema='{"type": "object"}',
+                                                          regex=None, ebnf=None,
+                                                          structural_tag=None))
+    monkeypatch.setattr(contract, "runtime_spec",
                         lambda: SimpleNamespace(speculative_algorithm="DDTREE"))
-    assert "DDTREE" in dflash_utils.validate_dflash_request(req, True)
-    req.return_logprob = False
     assert dflash_utils.validate_dflash_request(req, True) is None
+    assert req.return_logprob is True  # the request itself is untouched
     req.sampling_params.regex = "[0-9]+"
-    assert "constrained decoding (regex)" in dflash_utils.validate_dflash_request(req, False)
+    assert dflash_utils.validate_dflash_request(req, False) is None
+    req.return_hidden_states = True
+    assert "return_hidden_states" in dflash_utils.validate_dflash_request(req, True)
+    req.return_hidden_states, req.origin_input_ids = False, [1, 12]
+    assert "token id 12 at position 1" in dflash_utils.validate_dflash_request(req, True)
+    monkeypatch.setattr(contract, "runtime_spec",
+                        lambda: SimpleNamespace(speculative_algorithm="DFLASH"))
+    assert "DFLASH" in dflash_utils.validate_dflash_request(req, True)  # DFLASH's own refusal
     # The scheduler's own binding is the hooked one.
     from sglang.srt.managers import scheduler
 
     assert scheduler.validate_dflash_request is dflash_utils.validate_dflash_request
-    assert plugin.request_error(SimpleNamespace(return_logprob=False)) is None
+    assert plugin.request_error(SimpleNamespace(return_logprob=True)) is None
 
 
-def test_sglang_internals_contract():
-    from ddtree_sglang.sglang_plugin.internals import contract_violations
+def test_sglang_contract(monkeypatch):
+    """Every private name, parameter and instance attribute the plugin reads is in the
+    installed SGLang; a missing one is named."""
+    from ddtree_sglang.sglang_plugin import contract
 
-    assert contract_violations() == []
+    assert contract.contract_violations() == []
+    monkeypatch.setitem(contract.ATTRIBUTES, "sglang.srt.managers.schedule_batch.Req",
+                        ("kv_committed_len", "kv_commited_len"))
+    monkeypatch.setitem(contract.CONTRACT, "sglang.srt.speculative.spec_utils.GrammarTree."
+                                           "from_device", ("retrieve_next_token", "tree"))
+    problems = contract.contract_violations()
+    assert any("Req: attributes ['kv_commited_len'] not found" in p for p in problems)
+    assert any("from_device: parameters ['tree']" in p for p in problems)
+    with pytest.raises(RuntimeError, match="lacks internals the plugin relies on"):
+        contract.check_contract()
+
+
+def test_instance_attributes_are_read_from_the_source():
+    from ddtree_sglang.sglang_plugin.contract import instance_attributes
+
+    class Base:
+        def __init__(self):
+            self.a = 1
+
+    class Child(Base):
+        b: int
+
+        def grow(self):
+            other = 2
+            self.c = other
+
+    assert {"a", "b", "c"} <= instance_attributes(Child)
+    assert "other" not in instance_attributes(Child)
 
 
 def test_drafter_forward_keeps_its_embeds_dtype():
@@ -293,7 +243,7 @@ def test_drafter_forward_keeps_its_embeds_dtype():
 
     import torch
 
-    from ddtree_sglang.sglang_plugin.internals import keep_embeds_dtype
+    from ddtree_sglang.sglang_plugin.patches import keep_embeds_dtype
 
     class Drafter(torch.nn.Module):
         def __init__(self):
@@ -315,11 +265,11 @@ def test_drafter_forward_keeps_its_embeds_dtype():
 
 
 def test_worker_reaches_sglang_and_the_core_through_one_seam():
-    """worker.py imports the core only through decode_step, graphed and sampling, and names
-    SGLang only through internals (whose names resolve against the installed SGLang)."""
+    """worker.py imports the core only through its step modules, and names SGLang only
+    through the contract and the patches (whose names resolve against the installed SGLang)."""
     import ast
 
-    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin import contract
 
     src = (ROOT / "src" / "ddtree_sglang" / "sglang_plugin" / "worker.py").read_text()
     modules = set()
@@ -330,41 +280,40 @@ def test_worker_reaches_sglang_and_the_core_through_one_seam():
             modules |= {a.name for a in node.names}
     core = {m for m in modules if m.startswith("ddtree_sglang") and
             not m.startswith("ddtree_sglang.sglang_plugin")}
-    assert core == {"ddtree_sglang.decode_step", "ddtree_sglang.graphed", "ddtree_sglang.sampling"}
+    assert core == {"ddtree_sglang.decode_step", "ddtree_sglang.graphed", "ddtree_sglang.sampling",
+                    "ddtree_sglang.kernel_choice", "ddtree_sglang.logprobs"}
     assert not {m for m in modules if m.startswith(("sglang", "sgl_kernel"))}
-    for name, path in internals.NAMES.items():
+    for name, path in contract.NAMES.items():
         if not path.startswith("sgl_kernel"):  # imports only where CUDA is
-            assert getattr(internals, name) is internals.resolve(path)
+            assert getattr(contract, name) is contract.resolve(path)
     with pytest.raises(AttributeError):
-        internals.NoSuchName  # noqa: B018
+        contract.NoSuchName  # noqa: B018
     # and no other module of the package imports SGLang itself
+    boundary = {"contract.py", "patches.py"}
     direct = [str(f.relative_to(ROOT)) for f in (ROOT / "src" / "ddtree_sglang").rglob("*.py")
-              if f.name != "internals.py" and re.search(r"^\s*(from|import) (sglang|sgl_kernel)\b",
-                                                        f.read_text(), re.M)]
+              if f.name not in boundary and re.search(r"^\s*(from|import) (sglang|sgl_kernel)\b",
+                                                       f.read_text(), re.M)]
     assert direct == []
 
 
-def test_missing_inherited_worker_state_is_named():
-    from ddtree_sglang.sglang_plugin import internals
+def test_core_has_no_import_of_the_plugin_and_kernels_no_import_of_the_tree():
+    """The engine-agnostic core never imports the SGLang adapter, and the kernels import only
+    the tree's types (draft_tree.py), so no import loop hides behind lazy imports."""
+    import ast
 
-    class Worker:
-        device = draft_model_runner = model_runner = ps = target_worker = None
-        _mask_token_id = 0
-        _draft_block_ids_buf = _draft_block_positions_buf = None
-        _draft_verify_out_cache_loc_buf = None  # _draft_seq_lens_cpu_buf "renamed"
+    def imports(path: Path) -> set[str]:
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+        return found
 
-        def _ensure_draft_block_buffers(self, bs):
-            # DFlashWorkerV2 sizes these by its own block size (the verify width): the check
-            # must not allocate them (it did once, and the drafter's graph got 33-wide input)
-            raise AssertionError("check_inherited allocated the draft-block buffers")
-
-    with pytest.raises(RuntimeError, match=r"lacks \['_draft_seq_lens_cpu_buf'\]"):
-        internals.check_inherited(Worker())
-
-    class Complete(Worker):
-        _draft_seq_lens_cpu_buf = None
-
-    internals.check_inherited(Complete())
+    pkg = ROOT / "src" / "ddtree_sglang"
+    for f in (pkg / "kernels").glob("*.py"):
+        own = {m for m in imports(f) if m.startswith("ddtree_sglang")}
+        assert own <= {"ddtree_sglang.draft_tree"}, (f.name, own)
+    for f in pkg.glob("*.py"):
+        assert not any(m.startswith("ddtree_sglang.sglang_plugin") for m in imports(f)), f.name
 
 
 @pytest.mark.parametrize("change, split", [
@@ -412,12 +361,12 @@ def test_tree_attention_kernel_only_where_it_computes_what_sglang_would(change, 
     assert not kernel_computes({**base, "k_buffer": torch.zeros(1, dtype=torch.float8_e4m3fn)})
 
 
-def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
-    """internals.wrap_verify_attention swaps the target triton backend's extend kernel for the
-    wrapped one only if the check accepts it; other backends keep theirs, with the reason."""
+def test_verify_attention_is_installed_on_the_triton_backend_only():
+    """patches.wrap_verify_attention swaps the target triton backend's extend kernel for the
+    wrapped one (kernel_choice checked it); any other backend is refused by name."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin import contract, patches
 
     def single(*a, **k):
         return "single"
@@ -430,27 +379,16 @@ def test_split_verify_attention_is_installed_only_on_triton_and_when_checked():
         seen.append((fn, merge, tuple(signature.parameters)[:2]))
         return lambda *a, **k: "split"
 
-    why = internals.wrap_verify_attention(backend, lambda *a: "differs by 0.5", wrap)
-    assert why == "differs by 0.5" and backend.extend_attention_fwd is single and not seen
-    assert internals.wrap_verify_attention(backend, lambda *a: None, wrap) is None
+    patches.wrap_verify_attention(backend, wrap)
     assert backend.extend_attention_fwd() == "split"
     assert seen[0][0] is single and seen[0][2] == ("q_extend", "k_extend")
-    assert seen[0][1] is internals.resolve(internals.NAMES["merge_state_triton"])
+    assert seen[0][1] is contract.resolve(contract.NAMES["merge_state_triton"])
 
     class Other:
         extend_attention_fwd = single
 
-    why = internals.wrap_verify_attention(Other(), lambda *a: None, wrap)
-    assert "Other, not triton" in why
-    assert internals.is_triton_attention(backend) and not internals.is_triton_attention(Other())
+    with pytest.raises(RuntimeError, match="backend is Other"):
+        patches.wrap_verify_attention(Other(), wrap)
+    assert contract.is_triton_attention(backend) and not contract.is_triton_attention(Other())
 
 
-def test_budget_trace_env_accepts_on_off_and_names_values():
-    from ddtree_sglang.sglang_plugin.server_args import (BUDGET_TRACE_ENV, DDTreeConfigError,
-                                                         check_env, env_setting)
-
-    check_env(BUDGET_TRACE_ENV, "0")
-    check_env(BUDGET_TRACE_ENV, "1")
-    with pytest.raises(DDTreeConfigError, match="accepted: 1, 0"):
-        check_env(BUDGET_TRACE_ENV, "yes")
-    assert env_setting(BUDGET_TRACE_ENV) in ("1", "0")

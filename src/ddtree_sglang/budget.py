@@ -17,8 +17,9 @@ over the budgets that have a cost.  The value side (`expected_by_depth*`, `Depth
 batched tensor code without host synchronisation, so an engine computes it on the GPU; the
 choice itself compares a handful of numbers per step, so it takes plain floats on the host
 (no tensor ops: each small torch call costs microseconds where a tiny model's step is a few ms).
-`BudgetController` ties them together around one verify (its `choose` returns the cut tree,
-reading the choice on the host): the reference loop uses it as is.
+`BudgetController` ties them together around one verify, with the gate, exploration and
+hysteresis a serving engine needs: the reference loop uses it as is, the SGLang worker through
+sglang_plugin/adaptive_budget.py (CUDA step timing, a lagged read-back of the statistics).
 
 Because the builder's trees are best-first and prefix-closed, one tree built with the largest
 candidate budget yields every smaller budget's tree by truncation (`tree.truncate_tree`).
@@ -27,12 +28,13 @@ candidate budget yields every smaller budget's tree by truncation (`tree.truncat
 from __future__ import annotations
 
 import bisect
+import logging
 import statistics
 from collections import deque
 
 import torch
 
-from ddtree_sglang.tree import DraftTree, truncate_tree
+logger = logging.getLogger(__name__)
 
 
 def expected_by_depth(scores: torch.Tensor, depths: torch.Tensor, budgets: list[int],
@@ -161,21 +163,8 @@ class StepCosts:
                       for bs, row in table.items()}
         self.batches = sorted(self.table)
 
-    @classmethod
-    def from_cost_rows(cls, rows: list[dict]) -> "StepCosts":
-        """From the cost mode's rows (benchmarks' results.json `cost_rows`): DDTREE arms only."""
-        table: dict[int, dict[int, float]] = {}
-        for r in rows:
-            if r.get("algorithm") == "DDTREE" and r.get("step_ms"):
-                table.setdefault(int(r["batch_size"]), {})[int(r["budget"])] = float(r["step_ms"])
-        return cls(table)
-
-    def row(self, batch_size: int, budgets: list[int]) -> torch.Tensor:
-        """[len(budgets)] step times at this batch size, inf where not measured."""
-        return torch.tensor(self.row_ms(batch_size, budgets))
-
     def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
-        """row() as host floats (what a serving engine's per-step choice reads)."""
+        """[len(budgets)] step times at this batch size, inf where not measured."""
         measured = self.table[self.batch_row(batch_size)]
         return [measured.get(b, float("inf")) for b in budgets]
 
@@ -183,6 +172,25 @@ class StepCosts:
         """The measured batch size whose costs stand for `batch_size`."""
         return self.batches[min(bisect.bisect_left(self.batches, batch_size),
                                 len(self.batches) - 1)]
+
+    def verify_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
+        """The budget-dependent part of each step's cost (here: the whole step)."""
+        return self.row_ms(batch_size, budgets)
+
+    @property
+    def knows_period(self) -> bool:
+        """Whether a step's period is known (a fixed table: always)."""
+        return True
+
+    def least_sampled(self, batch_size: int, budgets: list[int]) -> int:
+        """The budget to explore: a fixed table learns nothing from it, so the largest."""
+        known = [b for b in budgets if b in self.table[self.batch_row(batch_size)]]
+        return known[-1]
+
+    @property
+    def version(self) -> int:
+        """Counts the changes of any cost (a fixed table: never)."""
+        return 0
 
 
 class LiveStepCosts(StepCosts):
@@ -216,7 +224,7 @@ class LiveStepCosts(StepCosts):
         self._live_steps = 0  # live steps counted so far, all cells
         self._medians: dict[tuple[int, int], float] = {}  # sampled cells, kept on observe
         self.rest_ms: dict[int, float] = {}
-        self.version = 0  # counts the observations that changed a cost
+        self._version = 0  # counts the observations that changed a cost
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
         key = self.batch_row(batch_size)
@@ -235,7 +243,17 @@ class LiveStepCosts(StepCosts):
             self._medians[(key, budget)] = statistics.median(cell)
         self._live_steps += 1
         self._last[(key, budget)] = self._live_steps
-        self.version += 1
+        self._version += 1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def knows_period(self) -> bool:
+        """Whether any live step has been timed (before that, the startup table holds verify
+        times only, not what a step takes)."""
+        return bool(self.rest_ms)
 
     def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         key = self.batch_row(batch_size)
@@ -266,34 +284,122 @@ class LiveStepCosts(StepCosts):
 
 
 class BudgetController:
-    """Per step: build the largest tree once, verify its best b nodes for the b that commits
-    the most tokens per millisecond, and learn from what the target accepted.
+    """The batch-aware budget: per decode batch, verify the tree cut to the candidate budget
+    that commits the most tokens per millisecond, and learn from what the target accepts.
 
-    The engine-agnostic half of the batch-aware budget: an engine supplies the step costs of
-    the budgets it can verify and calls `choose` and `observe` around each verify."""
+    Engine-agnostic.  The caller builds the largest candidate's tree, passes the expected
+    accepted tokens per request of every candidate (`calibrated`, from the drafter's
+    predictions, possibly an earlier step's: an engine reads them back without waiting) to
+    `choose`, and after the verify gives `observe` the predictions and what was accepted.
 
-    def __init__(self, budgets: list[int], costs: StepCosts, max_depth: int,
-                 decay: float = 0.95) -> None:
+    The gate: a smaller tree never accepts more than the largest (the builder's trees are
+    nested), so it can win only by the verify time it saves.  Where that cannot reach
+    `min_gain` of the step period (largest_budget_gain_bound) the batch size verifies the
+    largest budget with no choice, statistics or exploration, the same work as a pinned
+    budget; where the choice runs, a chosen budget is replaced only by one promising more
+    than `min_gain` over it.  One step in `explore_every` (0: never) of an engaged batch size
+    verifies the least-measured budget, and `stats_every` subsamples the statistics (they
+    move slowly; a subsample, not a bias)."""
+
+    def __init__(self, budgets: list[int], costs: StepCosts, max_depth: int, device="cpu", *,
+                 min_gain: float = 0.0, explore_every: int = 0, stats_every: int = 1,
+                 decay: float = 0.95, expected_decay: float = 0.9, log: bool = True) -> None:
         if not budgets or sorted(set(budgets)) != list(budgets) or budgets[0] < 1:
             raise ValueError(f"budgets must be distinct, ascending and >= 1; got {budgets}")
+        if explore_every < 0 or stats_every < 1 or min_gain < 0:
+            raise ValueError(f"need explore_every >= 0, stats_every >= 1 and min_gain >= 0; got "
+                             f"{explore_every}, {stats_every}, {min_gain}")
         self.budgets = list(budgets)
         self.costs = costs
-        self.max_depth = max_depth
-        self.calibration = DepthCalibration(max_depth, decay)
+        self.min_gain, self.explore_every, self.stats_every = min_gain, explore_every, stats_every
+        self.expected_decay, self.log = expected_decay, log
+        self.calibration = DepthCalibration(max_depth, decay, device)
+        self.expected = torch.zeros(len(budgets), device=device)  # per request, EMA
+        self._seen = False
+        self._observed = 0
+        self._gate: dict[int, tuple[int, bool]] = {}  # cost row -> (costs.version, engaged)
+        self._announced: dict[int, bool] = {}  # cost row -> the judgement last logged
+        self._row_steps: dict[int, int] = {}
+        self._last_choice: dict[int, int] = {}  # cost row -> budget
+        self.steps = dict.fromkeys(self.budgets, 0)
 
-    def choose(self, tree: DraftTree) -> DraftTree:
-        """The tree to verify: `tree` (built with the largest budget) cut to the chosen b."""
-        if tree.budget != self.budgets[-1]:
-            raise ValueError(f"build the tree with the largest budget {self.budgets[-1]}; "
-                             f"got {tree.budget} nodes")
-        predicted = expected_by_depth(tree.scores, tree.depths, self.budgets, self.max_depth)
-        expected = self.calibration.corrected(predicted.cpu())
-        index = choose_budget(tree.batch_size, expected,
-                              self.costs.row_ms(tree.batch_size, self.budgets))
-        return truncate_tree(tree, self.budgets[index])
+    def calibrated(self, depth_probs: torch.Tensor) -> torch.Tensor:
+        """depth_probs [bs, K, D] (tree stage: expected_by_depth_per_request) -> [K] the
+        calibrated expected accepted draft tokens per request of every candidate."""
+        return self.calibration.corrected(depth_probs.sum(0)) / depth_probs.shape[0]
 
-    def observe(self, verified: DraftTree, accepted: torch.Tensor) -> None:
-        """accepted [bs]: draft tokens each request accepted from `verified` (bonus excluded)."""
-        predicted = expected_by_depth(verified.scores, verified.depths, [verified.budget],
-                                      self.max_depth)[0]
-        self.calibration.update(predicted.cpu(), accepted.cpu())
+    def choose(self, bs: int, expected: list[float] | None) -> int:
+        """The budget for a batch of `bs` requests (host floats only).  expected [K]: the
+        expected accepted tokens per request of each candidate, None before any is known."""
+        largest = self.budgets[-1]
+        row = self.costs.batch_row(bs)
+        if not self.engaged(bs, row) or expected is None:
+            return largest
+        self._row_steps[row] = self._row_steps.get(row, 0) + 1
+        if self.explore_every and self._row_steps[row] % self.explore_every == 0:
+            return self.costs.least_sampled(bs, self.budgets)
+        step_ms = self.costs.row_ms(bs, self.budgets)
+        current = self.budgets.index(self._last_choice.get(row, largest))
+        budget = self.budgets[choose_budget(bs, [e * bs for e in expected], step_ms, current,
+                                            self.min_gain)]
+        if self._last_choice.get(row, largest) != budget:
+            self._last_choice[row] = budget
+            if self.log:
+                logger.info("DDTREE budget: batch size %d -> B=%d (expected accepted per request "
+                            "%s, step ms %s over budgets %s)", bs, budget,
+                            [round(x, 2) for x in expected], [round(x, 2) for x in step_ms],
+                            self.budgets)
+        return budget
+
+    def engaged(self, bs: int, row: int | None = None) -> bool:
+        """Whether the choice can matter at this batch size: some smaller candidate could gain
+        at least min_gain over the largest (from the verify times and the row's step period;
+        before a period is known, no).  Re-judged only when a cost changed."""
+        row = self.costs.batch_row(bs) if row is None else row
+        version = self.costs.version
+        cached = self._gate.get(row)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        if self.min_gain > 0 and not self.costs.knows_period:
+            self._gate[row] = (version, False)
+            return False
+        verify = self.costs.verify_ms(bs, self.budgets)
+        period = self.costs.row_ms(bs, self.budgets[-1:])[0]
+        bound = largest_budget_gain_bound(verify, period)
+        engaged = bound >= self.min_gain
+        if self._announced.get(row) != engaged:
+            self._announced[row] = engaged
+            if self.log:
+                logger.info("DDTREE budget: batch size %d %s: a smaller tree can gain at most "
+                            "%.1f%% over B=%d (verify ms %s, step %.2f ms; least gain acted on "
+                            "%.3g)", bs, "chooses per step" if engaged else
+                            "verifies the largest budget", 100 * bound, self.budgets[-1],
+                            [round(x, 3) for x in verify], period, self.min_gain)
+            if not engaged:
+                self._last_choice.pop(row, None)
+        self._gate[row] = (version, engaged)
+        return engaged
+
+    def observe(self, bs: int, budget: int, depth_probs: torch.Tensor,
+                accepted: torch.Tensor) -> torch.Tensor | None:
+        """After a verify of `budget` (tensor work only, no host read).  depth_probs
+        [bs, K, D]: the candidates' predictions; accepted [bs]: draft tokens each request
+        accepted (bonus excluded).  Returns the updated expected accepted tokens per request
+        of every candidate [K], or None where no statistics ran this step."""
+        self.steps[budget] += 1
+        cached = self._gate.get(self.costs.batch_row(bs))
+        if cached is not None and not cached[1]:  # no choice at this batch size
+            return None
+        self._observed += 1
+        if self._observed % self.stats_every and self._seen:
+            return None
+        predicted = depth_probs.sum(0)  # [K, D]
+        self.calibration.update(predicted[self.budgets.index(budget)], accepted)
+        per_request = self.calibration.corrected(predicted) / bs
+        if self._seen:
+            self.expected.mul_(self.expected_decay).add_(per_request,
+                                                         alpha=1 - self.expected_decay)
+        else:
+            self.expected.copy_(per_request)
+            self._seen = True
+        return self.expected

@@ -136,7 +136,7 @@ def _main(argv: list[str] | None) -> int:
         check_limits(args, tb, prompts, budgets[-1], "--auto-budgets")
         costs = step_costs_here(tb.speculator, prompts[0], budgets, sampling)
         controller = BudgetController(budgets, StepCosts({1: costs}),
-                                      tb.speculator.cfg.block_size - 1)
+                                      tb.speculator.cfg.block_size - 1, tb.speculator.device)
         modes.append(("DDTree auto " + "/".join(map(str, budgets)), "ddtree", controller))
     rows, sample = [], {}
     with tqdm(total=len(modes) * len(prompts), desc="generating") as bar:

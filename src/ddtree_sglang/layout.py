@@ -10,8 +10,6 @@ EAGLE path builds (eagle_utils.build_tree_kernel_efficient, verify_tree_greedy):
 * ancestors    [bs, N, N] bool: row i is True on i's ancestors and i itself (root included).
 * full_mask    flat bool: per request a row-major N x (seq_len + N) block, prefix columns all
   True, then the ancestor block; requests concatenated (SGLang's TreeMaskMode.FULL_MASK).
-* packed_mask  [bs, N, ceil(N / 32)] int32: row i's ancestor bits, bit j of word j // 32
-  (the QLEN_ONLY_BITPACKING meaning, widened to any N).
 * retrieve_index [bs, N] = b * N + i; retrieve_next_token [bs, N] = first (lowest-index) child,
   -1 if none; retrieve_next_sibling [bs, N] = next sibling in index order, -1 if none.
 """
@@ -22,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_sglang.tree import DraftTree
+from ddtree_sglang.draft_tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -163,27 +161,3 @@ def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int
            + seq_lens.long().view(bs, 1, 1) + rows.view(1, 1, n))
     mask[idx.reshape(-1)] = ancestors.reshape(-1)
     return mask
-
-
-def packed_mask(ancestors: torch.Tensor) -> torch.Tensor:
-    """[bs, N, ceil(N / 32)] int32 words; bit j % 32 of word j // 32 is ancestors[..., j]."""
-    bs, n, _ = ancestors.shape
-    words = (n + 31) // 32
-    padded = torch.zeros((bs, n, words * 32), dtype=torch.int64, device=ancestors.device)
-    padded[..., :n] = ancestors.long()
-    weights = torch.bitwise_left_shift(
-        torch.ones(32, dtype=torch.int64, device=ancestors.device),
-        torch.arange(32, device=ancestors.device),
-    )
-    packed = (padded.view(bs, n, words, 32) * weights).sum(-1)
-    # Reinterpret the low 32 bits as signed int32 (bit 31 set -> negative).
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
-
-
-def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of packed_mask: [bs, N, words] int32 -> [bs, N, N] bool."""
-    bits = torch.arange(32, device=packed.device, dtype=torch.int64)
-    words = packed.long() & 0xFFFFFFFF
-    unpacked = (words.unsqueeze(-1) >> bits) & 1
-    return unpacked.flatten(-2)[..., :n].bool()

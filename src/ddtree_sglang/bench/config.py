@@ -39,7 +39,7 @@ class Arm(_Strict):
     def _budget_only_for_ddtree(self) -> "Arm":
         if self.algorithm != "DDTREE" and self.budget is not None:
             raise ValueError(f"arm {self.name}: budget applies to DDTREE only")
-        from ddtree_sglang.sglang_plugin.server_args import check_env
+        from ddtree_sglang.sglang_plugin.settings import check_env
 
         for key, value in self.env.items():
             if self.algorithm != "DDTREE":
@@ -102,7 +102,7 @@ class CostMode(_Strict):
     @field_validator("env")
     @classmethod
     def _known_knobs(cls, v: dict[str, str]) -> dict[str, str]:
-        from ddtree_sglang.sglang_plugin.server_args import check_env
+        from ddtree_sglang.sglang_plugin.settings import check_env
 
         for key, value in v.items():
             check_env(key, value)  # DDTreeConfigError is a ValueError: a config error

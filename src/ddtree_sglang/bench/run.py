@@ -76,7 +76,7 @@ def arm_env(arm: Arm) -> dict[str, str]:
     budget keeps the shipped defaults."""
     if arm.algorithm != "DDTREE" or arm.budget is None:
         return dict(arm.env)
-    from ddtree_sglang.sglang_plugin.server_args import BUDGETS_ENV
+    from ddtree_sglang.sglang_plugin.settings import BUDGETS_ENV
 
     return {BUDGETS_ENV: "off", **arm.env}
 

@@ -1,5 +1,6 @@
 """Fused Triton kernel for the draft-tree selection (B <= 256, depth <= 16), one program per
-request.  Reference: ddtree_sglang.tree.build_draft_tree, which it reproduces exactly.
+request.  Reference: ddtree_sglang.tree.build_draft_tree, which it reproduces exactly (given
+the same top-k of the draft positions).
 
 The PyTorch builder spends its time launching two sorts and a few gathers per depth.  Here the
 whole per-depth beam and the final best-first selection run in one program.  Ties are broken
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree_sglang.tree import DraftTree, check_budget, top_log_probs
+from ddtree_sglang.draft_tree import DraftTree, TopLogProbs, check_budget, torch_top_log_probs
 
 MAX_BUDGET = 256
 MAX_DEPTH = 16
@@ -84,8 +85,7 @@ def _count_reaching(prev, lp_d, rows_ok, threshold, lane, K: tl.constexpr, BP: t
 def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, rank_buf,
                  slot_buf, overflow, out_tok, out_par, out_depth, out_score,
                  DEPTH: tl.constexpr, K: tl.constexpr, B: tl.constexpr, BP: tl.constexpr,
-                 BL: tl.constexpr, CP: tl.constexpr, JC: tl.constexpr,
-                 ALWAYS_SECOND: tl.constexpr):
+                 BL: tl.constexpr, CP: tl.constexpr, JC: tl.constexpr):
     b = tl.program_id(0)
     lane = tl.arange(0, BP)
     cp_lane = tl.arange(0, CP)
@@ -130,7 +130,7 @@ def _tree_kernel(top_lp, top_ids, beam_score, beam_tok, beam_par, cand_keys, ran
         # row has more of those than step 1 took is there anything new to sort; otherwise they
         # are a subset of step 1's sorted keys, whose front is then already the answer.
         reach = _count_reaching(prev, lp_d, rows_ok, threshold, lane, K, BP, JC)
-        if tl.max(reach - n, 0) + ALWAYS_SECOND > 0:  # ALWAYS_SECOND: the benchmark's A/B
+        if tl.max(reach - n, 0) > 0:
             total = _gather_row_prefixes(prev, lp_d, reach, ck_row, lane, K, BP, CP, JC)
             overflowed = tl.maximum(overflowed, (total > CP).to(tl.int32))
             tl.debug_barrier()
@@ -189,13 +189,11 @@ AOT_POINTERS = {"top_lp": "*fp32", "top_ids": "*i64", "beam_score": "*fp32", "be
                 "out_score": "*fp32"}
 
 
-def launch_constants(budget: int, k: int, depth: int, always_second: bool = False) -> dict:
-    """The kernel's constexprs for a budget, K = min(budget, vocab) and a depth
-    (`always_second`: sort every depth twice, as before the skip; for timing only)."""
+def launch_constants(budget: int, k: int, depth: int) -> dict:
+    """The kernel's constexprs for a budget, K = min(budget, vocab) and a depth."""
     bp = max(2, triton.next_power_of_2(budget))
     return dict(DEPTH=depth, K=k, B=budget, BP=bp, BL=max(2, triton.next_power_of_2(depth)),
-                CP=candidate_capacity(budget, k), JC=min(32, bp),
-                ALWAYS_SECOND=int(always_second))
+                CP=candidate_capacity(budget, k), JC=min(32, bp))
 
 
 def candidate_capacity(budget: int, k: int) -> int:
@@ -216,21 +214,21 @@ def warps_for(capacity: int) -> int:
 def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int,
                             overflow: torch.Tensor | None = None,
                             beams: dict | None = None,
-                            always_second_pass: bool = False) -> DraftTree:
+                            top: TopLogProbs = torch_top_log_probs) -> DraftTree:
     """Same contract and result as tree.build_draft_tree, for budget <= 256 and depth <= 16.
     `overflow` ([batch] int32, optional): set to 1 for a request whose second pass had more
     candidates than the scratch holds (see the module doc; its tree is then a valid other one).
     `beams` (optional dict, for tests): receives the per-depth beams, "score" / "token" /
-    "parent" [batch, depth rows, lanes] in lexicographic order.  `always_second_pass`: the
-    kernel as it was before it skipped a redundant second sort (same trees; benchmarks only)."""
+    "parent" [batch, depth rows, lanes] in lexicographic order.  `top`: the top-k of the draft
+    positions, as for tree.build_draft_tree."""
     batch, depth, vocab = draft_logits.shape
     check_budget(budget, depth, vocab)
     if not supported(budget, depth):
         raise ValueError(f"the Triton tree kernel takes budget 1..{MAX_BUDGET} and depth "
                          f"1..{MAX_DEPTH}; got budget {budget}, depth {depth}")
     k = min(budget, vocab)
-    top_lp, top_ids = top_log_probs(draft_logits, k)
-    const = launch_constants(budget, k, depth, always_second_pass)
+    top_lp, top_ids = top(draft_logits, k)
+    const = launch_constants(budget, k, depth)
     bp, bl, cp = const["BP"], const["BL"], const["CP"]
     dev = draft_logits.device
     beam_score = torch.empty((batch, bl, bp), dtype=torch.float32, device=dev)

@@ -21,14 +21,14 @@ from typing import Literal
 import torch
 
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
-from ddtree_sglang.budget import BudgetController
+from ddtree_sglang.budget import BudgetController, expected_by_depth_per_request
 from ddtree_sglang.dflash_config import untappable_layers
 from ddtree_sglang.layout import build_verify_layout
 from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
                                      path_tokens)
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.sampling import SamplingParams, target_choice
-from ddtree_sglang.tree import build_draft_tree, chain_tree
+from ddtree_sglang.tree import build_draft_tree, chain_tree, truncate_tree
 
 Mode = Literal["ar", "chain", "ddtree"]
 
@@ -167,10 +167,11 @@ class ReferenceSpeculator:
         the new ids and features, the emitted tokens and the number of tree nodes verified."""
         start = ids.shape[0]
         dl = self.draft_logits(feats, bonus)
+        depth_probs = None
         if mode == "chain":
             tree = chain_tree(dl)
         elif isinstance(budget, BudgetController):
-            tree = budget.choose(build_draft_tree(dl, budget.budgets[-1]))
+            tree, depth_probs = self._chosen_tree(dl, budget)
         else:
             tree = build_draft_tree(dl, budget)
         root = ids.new_tensor([bonus])
@@ -189,13 +190,23 @@ class ReferenceSpeculator:
         acc = accept_tree(tokens2d, layout.tree_parents, layout.tree_depths, choice,
                           max_depth=self.cfg.draft_depth)
         k = int(acc.accept_len[0])
-        if isinstance(budget, BudgetController) and mode == "ddtree":
-            budget.observe(tree, acc.accept_len - 1)
+        if depth_probs is not None:
+            budget.observe(1, tree.budget, depth_probs, acc.accept_len - 1)
         emitted = committed_tokens(tokens2d, acc)[0, :k].tolist()
         path = acc.accept_path[0, :k]
         new_ids = torch.cat([ids, tokens2d[0, path]])  # root (old bonus) + accepted nodes
         new_feats = torch.cat([all_feats[:start], all_feats[start + path]])
         return new_ids, new_feats, emitted, tree.budget
+
+
+    def _chosen_tree(self, draft_logits: torch.Tensor, controller: BudgetController):
+        """The largest candidate's tree cut to the controller's choice for it, and the
+        candidates' expected acceptance by depth (what the controller learns from)."""
+        tree = build_draft_tree(draft_logits, controller.budgets[-1])
+        depth_probs = expected_by_depth_per_request(tree.scores, tree.depths,
+                                                    controller.budgets, self.cfg.draft_depth)
+        chosen = controller.choose(1, controller.calibrated(depth_probs).tolist())
+        return truncate_tree(tree, chosen), depth_probs
 
 
 class _History:

@@ -1,28 +1,20 @@
-"""The batch-aware tree budget in the SGLang worker: per decode batch, verify the tree cut to
-the candidate budget that commits the most tokens per millisecond (budget.py has the why).
+"""The SGLang side of the batch-aware tree budget (budget.BudgetController has the logic).
 
-What the worker gets from here, per step:
-  * `choose(bs)` on the host, before the draft: the budget for this batch, from the batch size,
-    the step-cost table and the drafter's calibrated expected acceptance as of an earlier step
+Per step the worker calls:
+  * `choose(bs)` on the host, before the draft: the controller's choice from the batch size,
+    the step costs and the drafter's calibrated expected acceptance as of an earlier step
     (a non-blocking copy, `LaggedHostCopy`: nothing waits for the GPU);
-  * `runtime(width)`: the target attention backend and verify CUDA graphs for that width,
-    built at startup per candidate (internals.build_verify_runtime);
-  * `observe(...)` after the acceptance walk, on the GPU: the calibration learns observed over
-    predicted acceptance, and the per-request expected acceptance of every candidate is
-    refreshed for a later step's choice;
-  * step timing with CUDA events from one decode step's start to the next's (the period that
-    sets throughput, host waits included), read back once completed: it refines the costs.
+  * `runtimes[width]`: the target attention backend and verify CUDA graphs for that width,
+    built at startup per candidate (patches.build_verify_runtime);
+  * `observe(...)` after the acceptance walk, on the GPU: the controller's statistics, whose
+    result is copied back for a later step's choice;
+  * `start_step` / `interrupt`: step timing with CUDA events from one decode step's start to
+    the next's (the period that sets throughput, host waits included), read back once
+    completed: it refines the costs.
 
 Costs: the verify pass of every (captured batch size, candidate width) is timed at startup by
-replaying its graph; what the rest of a step costs is learned per batch size from live steps,
-and a budget measured live a few times at a batch size costs what it measured
-(budget.LiveStepCosts); one step in `explore_every` per batch size tries the least-measured
-budget so that every candidate gets measured.
-
-The gate: a smaller tree can beat the largest only by the verify time it saves, so where that
-saving is under `min_gain` of the batch size's step period (a host-bound server: verifies
-0.01-0.2 ms apart in 4-17 ms steps), the batch size verifies the largest budget with no
-choice, statistics or exploration, the same work as a pinned budget (`engaged`).
+replaying its graph; what the rest of a step costs is learned per batch size from live steps
+(budget.LiveStepCosts).
 """
 
 from __future__ import annotations
@@ -33,10 +25,8 @@ from collections import deque
 
 import torch
 
-from ddtree_sglang.budget import (DepthCalibration, LiveStepCosts, choose_budget,
-                                  largest_budget_gain_bound)
-from ddtree_sglang.sglang_plugin import internals
-from ddtree_sglang.sglang_plugin.server_args import MIN_GAIN_ENV
+from ddtree_sglang.budget import BudgetController, LiveStepCosts
+from ddtree_sglang.sglang_plugin import contract, patches
 
 logger = logging.getLogger(__name__)
 
@@ -135,96 +125,23 @@ class StepTimer:
 
 
 class AdaptiveBudget:
-    """Host-side choice + GPU-side statistics of the batch-aware budget (one per worker)."""
+    """The SGLang side of the batch-aware budget (one per worker): a budget.BudgetController
+    fed with CUDA step timings and read back without waiting, plus the target verify runtime
+    (attention backend, CUDA graphs) of every candidate width."""
 
-    def __init__(self, budgets: list[int], max_depth: int, runtimes: dict[int, tuple],
-                 costs: LiveStepCosts, device, decay: float = 0.9, stats_every: int = 4,
-                 explore_every: int = 32, min_gain: float = 0.0) -> None:
-        self.budgets = list(budgets)
-        # Predicted gains below min_gain are not acted on: a batch size where no smaller tree
-        # can gain that much verifies the largest budget with no choice, statistics or
-        # exploration (the same work as a pinned budget), and a chosen budget is replaced
-        # only by one promising that much more.
-        self.min_gain = min_gain
-        self._gate: dict[int, tuple[int, bool]] = {}  # cost row -> (costs.version, engaged)
-        self._announced: dict[int, bool] = {}  # cost row -> the judgement last logged
-        # One step in explore_every (0: none) of a batch size verifies its least-measured
-        # budget, so every candidate's live cost is known (lossless either way; at most that share of
-        # steps runs a budget the model does not prefer).
-        self.explore_every = explore_every
-        self._row_steps: dict[int, int] = {}
-        # The acceptance statistics are ~25 small launches; they move slowly, so every
-        # stats_every-th step's tree and acceptance are enough (a subsample, not a bias).
-        self.stats_every = stats_every
-        self._observed = 0
+    def __init__(self, controller: BudgetController, runtimes: dict[int, tuple]) -> None:
+        self.controller = controller
         self.runtimes = runtimes  # verify width -> (attention backend, graph runner)
-        self.costs = costs
-        self.decay = decay
-        self.calibration = DepthCalibration(max_depth, device=device)
-        self._expected = torch.zeros(len(budgets), device=device)  # per request, EMA
-        self._seen = False
-        self._lagged = LaggedHostCopy((len(budgets),), torch.float32)
+        self._lagged = LaggedHostCopy((len(controller.budgets),), torch.float32)
         self._expected_src: torch.Tensor | None = None  # the copy _expected_host came from
-        self._expected_host: list[float] = []
+        self._expected_host: list[float] | None = None
         self._timer = StepTimer()
-        self._last_choice: dict[int, int] = {}  # cost row -> budget, for the log
-        self.steps = dict.fromkeys(self.budgets, 0)
 
     def choose(self, bs: int) -> int:
         """The budget for a decode batch of `bs` requests (host only; no GPU wait)."""
         for (batch, budget), ms in self._timer.finished():
-            self.costs.observe(batch, budget, ms)
-        row = self.costs.batch_row(bs)
-        largest = self.budgets[-1]
-        if not self.engaged(bs, row):
-            return largest
-        expected = self._expected_per_request()
-        if expected is None:  # nothing learned yet: the configured (largest) budget
-            return largest
-        self._row_steps[row] = self._row_steps.get(row, 0) + 1
-        if self.explore_every and self._row_steps[row] % self.explore_every == 0:
-            return self.costs.least_sampled(bs, self.budgets)
-        step_ms = self.costs.row_ms(bs, self.budgets)
-        current = self.budgets.index(self._last_choice.get(row, largest))
-        budget = self.budgets[choose_budget(bs, [e * bs for e in expected], step_ms,
-                                            current, self.min_gain)]
-        if self._last_choice.get(row, largest) != budget:
-            self._last_choice[row] = budget
-            logger.info("DDTREE budget: batch size %d -> B=%d (expected accepted per request "
-                        "%s, step ms %s over budgets %s)", bs, budget,
-                        [round(x, 2) for x in expected], [round(x, 2) for x in step_ms],
-                        self.budgets)
-        return budget
-
-    def engaged(self, bs: int, row: int | None = None) -> bool:
-        """Whether the choice can matter at this batch size: some smaller candidate could gain
-        at least min_gain over the largest (budget.largest_budget_gain_bound, from the startup
-        verify times and the row's step period as measured so far; before any live step is
-        timed, no: the largest budget).  Re-judged only when a cost changed; a change is
-        logged."""
-        row = self.costs.batch_row(bs) if row is None else row
-        version = self.costs.version
-        cached = self._gate.get(row)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        if self.min_gain > 0 and not self.costs.rest_ms:  # no step period measured yet
-            self._gate[row] = (version, False)
-            return False
-        verify = self.costs.verify_ms(bs, self.budgets)
-        period = self.costs.row_ms(bs, self.budgets[-1:])[0]
-        bound = largest_budget_gain_bound(verify, period)
-        engaged = bound >= self.min_gain
-        if self._announced.get(row) != engaged:
-            self._announced[row] = engaged
-            logger.info("DDTREE budget: batch size %d %s: a smaller tree can gain at most "
-                        "%.1f%% over B=%d (verify ms %s at startup, step %.2f ms; %s=%.3g)",
-                        bs, "chooses per step" if engaged else "verifies the largest budget",
-                        100 * bound, self.budgets[-1], [round(x, 3) for x in verify], period,
-                        MIN_GAIN_ENV, self.min_gain)
-            if not engaged:
-                self._last_choice.pop(row, None)
-        self._gate[row] = (version, engaged)
-        return engaged
+            self.controller.costs.observe(batch, budget, ms)
+        return self.controller.choose(bs, self._expected_per_request())
 
     def _expected_per_request(self) -> list[float] | None:
         """The newest landed copy of the per-request expected acceptance, as host floats
@@ -246,23 +163,9 @@ class AdaptiveBudget:
                 commit_lens: torch.Tensor) -> None:
         """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
         predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
-        self.steps[budget] += 1
-        cached = self._gate.get(self.costs.batch_row(bs))
-        if cached is not None and not cached[1]:  # no choice at this batch size: no statistics
-            return
-        self._observed += 1
-        if self._observed % self.stats_every and self._seen:
-            return
-        predicted = depth_probs.sum(0)  # [K, D]
-        k = self.budgets.index(budget)
-        self.calibration.update(predicted[k], commit_lens.long() - 1)
-        per_request = self.calibration.corrected(predicted) / bs  # [K]
-        if self._seen:
-            self._expected.mul_(self.decay).add_(per_request, alpha=1 - self.decay)
-        else:
-            self._expected.copy_(per_request)
-            self._seen = True
-        self._lagged.push(self._expected)
+        expected = self.controller.observe(bs, budget, depth_probs, commit_lens.long() - 1)
+        if expected is not None:
+            self._lagged.push(expected)
 
 
 def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | None:
@@ -286,7 +189,7 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
     budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""
     largest = budgets[-1]
-    runtimes = {largest + 1: internals.verify_runtime(runner)}
+    runtimes = {largest + 1: contract.verify_runtime(runner)}
     if runtimes[largest + 1][1] is None or not torch.cuda.is_available():
         logger.warning("DDTREE: the batch-aware budget needs the target's verify CUDA graphs "
                        "(off here); every step verifies B=%d", largest)
@@ -294,9 +197,9 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
     free_before = torch.cuda.mem_get_info()[0] / 2**30
     try:
         for budget in budgets[:-1]:
-            runtimes[budget + 1] = internals.build_verify_runtime(runner, budget + 1,
+            runtimes[budget + 1] = patches.build_verify_runtime(runner, budget + 1,
                                                                   prepare_backend)
-        costs = verify_costs(runtimes, internals.time_verify_graphs)
+        costs = verify_costs(runtimes, contract.time_verify_graphs)
     except Exception as exc:  # noqa: BLE001 - e.g. no memory left for more graphs
         logger.warning("DDTREE: the batch-aware budget could not build its narrower verifies "
                        "(%s: %s); every step verifies B=%d", type(exc).__name__,
@@ -308,10 +211,11 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
         return None
     if log:
         logger.info("DDTREE batch-aware budget: candidates %s, acting on predicted gains >= "
-                    "%.3g (%s), verify graphs built for %d more widths (%.2f GiB); verify ms "
-                    "at startup by batch size: %s", budgets, min_gain, MIN_GAIN_ENV,
+                    "%.3g, verify graphs built for %d more widths (%.2f GiB); verify ms "
+                    "at startup by batch size: %s", budgets, min_gain,
                     len(budgets) - 1, free_before - torch.cuda.mem_get_info()[0] / 2**30,
                     {bs: {b: round(ms, 2) for b, ms in row.items()}
                      for bs, row in costs.table.items()})
-    return AdaptiveBudget(budgets, depth, runtimes, costs, device,
-                          explore_every=explore_every, min_gain=min_gain)
+    controller = BudgetController(budgets, costs, depth, device, min_gain=min_gain,
+                                  explore_every=explore_every, stats_every=4, log=log)
+    return AdaptiveBudget(controller, runtimes)

@@ -5,9 +5,10 @@ server arguments are parsed.  It registers the algorithm and three method hooks:
 
 * DecodeCudaGraphRunner.get_spec_info: the target's verify CUDA graphs must be captured with
   a custom-mask spec input, or FlashInfer/Triton would replay a causal (wrong) verify.
-* validate_dflash_request: per-request rejection of what DDTREE cannot serve (yet), with a
-  clear message in the response, instead of a scheduler crash: logprobs, constrained decoding,
-  and prompt token ids outside the vocabulary (which would kill the server).
+* validate_dflash_request: per-request rejection of what DDTREE cannot serve, with a clear
+  message in the response instead of a crash (prompt token ids outside the vocabulary, which
+  would kill the server); requests with logprobs, which DFLASH refuses and DDTREE serves,
+  pass.
 * Req.update_finish_state: EOS / stop strings among the tokens of a multi-token commit that
   crosses max_new_tokens end the request as plain decoding would (see _finish_state_hook).
 """
@@ -29,12 +30,12 @@ def _worker_factory(server_args):
 def _validate(server_args) -> None:
     """SGLang's validation hook for DDTREE (runs while SGLang resolves its arguments): pick a
     tree-capable attention backend when the user named none, then check everything."""
-    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin import patches
     from ddtree_sglang.sglang_plugin.server_args import backend_to_default, validate
 
     backend = backend_to_default(server_args)
     if backend is not None:
-        internals.declare_server_args(server_args, {"attention_backend": backend})
+        patches.declare_server_args(server_args, {"attention_backend": backend})
         logger.info("DDTREE: no --attention-backend given; using %s (SGLang's default on this "
                     "GPU may not verify a draft tree; pass --attention-backend triton or "
                     "flashinfer to choose)", backend)
@@ -52,15 +53,15 @@ def _get_spec_info_hook(original, runner, num_tokens):
     model_runner = runner.model_runner
     if not is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
         return original(runner, num_tokens)
-    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin import contract
 
     block = int(model_runner.server_args.speculative_dflash_block_size)
-    return internals.EagleVerifyInput(
+    return contract.EagleVerifyInput(
         draft_token=None, custom_mask=runner.buffers.custom_mask, positions=None,
         retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None,
         retrieve_cum_len=None, spec_steps=block - 1, topk=1,
         draft_token_num=runner.captured_req_width,
-        capture_hidden_mode=internals.CaptureHiddenMode.FULL,
+        capture_hidden_mode=contract.CaptureHiddenMode.FULL,
         seq_lens_sum=None, seq_lens_cpu=None,
     )
 
@@ -79,29 +80,24 @@ def token_id_error(ids, vocab: int | None) -> str | None:
 
 def request_error(req) -> str | None:
     """Why DDTREE will not serve this request, or None.  Read from the request's fields."""
-    ids_error = token_id_error(getattr(req, "origin_input_ids", None),
-                               getattr(req, "vocab_size", None))
-    if ids_error:
-        return ids_error
-    if getattr(req, "return_logprob", False):
-        return ("DDTREE speculative decoding does not return logprobs yet; resend without "
-                "logprobs / top_logprobs, or serve this request without speculative decoding")
-    params = getattr(req, "sampling_params", None)
-    for field in ("json_schema", "regex", "ebnf", "structural_tag"):
-        if getattr(params, field, None):
-            return (f"DDTREE speculative decoding does not support constrained decoding "
-                    f"({field}) yet; resend without response_format / {field}")
-    return None
+    return token_id_error(getattr(req, "origin_input_ids", None),
+                          getattr(req, "vocab_size", None))
 
 
 def _validate_request_hook(original, req, enable_overlap):
-    from ddtree_sglang.sglang_plugin import internals
-
-    if internals.runtime_spec().speculative_algorithm == "DDTREE":
-        msg = request_error(req)
-        if msg is not None:
-            return msg
-    return original(req, enable_overlap)
+    """DDTREE's request check, then DFLASH's own checks with the logprob request hidden from
+    them (DFLASH refuses logprobs; DDTREE computes them from its verify logits)."""
+    if not _serving_ddtree():
+        return original(req, enable_overlap)
+    msg = request_error(req)
+    if msg is not None:
+        return msg
+    wants_logprobs = req.return_logprob
+    req.return_logprob = False
+    try:
+        return original(req, enable_overlap)
+    finally:
+        req.return_logprob = wants_logprobs
 
 
 def _finish_state_hook(original, req, new_accepted_len: int = 1):
@@ -130,9 +126,9 @@ def _finish_state_hook(original, req, new_accepted_len: int = 1):
 
 
 def _serving_ddtree() -> bool:
-    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin import contract
 
-    return internals.runtime_spec().speculative_algorithm == "DDTREE"
+    return contract.runtime_spec().speculative_algorithm == "DDTREE"
 
 
 def register() -> None:
@@ -140,10 +136,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from ddtree_sglang.sglang_plugin import internals
+    from ddtree_sglang.sglang_plugin import contract
     from ddtree_sglang.sglang_plugin.server_args import ALGORITHM
 
-    spec_algorithm, _, get_spec = internals.spec_classes()
+    spec_algorithm, _, get_spec = contract.spec_classes()
     if get_spec(ALGORITHM) is not None:
         _registered = True
         return
@@ -157,7 +153,7 @@ def register() -> None:
         logger.warning("ddtree-sglang: not registering %s: %s", ALGORITHM, exc)
         _registered = True
         return
-    registry, hook_type = internals.hook_registry()
+    registry, hook_type = contract.hook_registry()
     registry.register(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
         _get_spec_info_hook, hook_type.AROUND)

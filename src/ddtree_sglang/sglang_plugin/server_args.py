@@ -16,12 +16,12 @@ from typing import Any
 
 from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
+from ddtree_sglang.sglang_plugin.settings import MAX_BUDGET, DDTreeConfigError, DDTreeSettings
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "DDTREE"
 DEFAULT_BUDGET = 32
-MAX_BUDGET = 1023
 TREE_BACKENDS = ("triton", "flashinfer")
 # Used when the user names no attention backend: SGLang's own default (fa3 on Hopper) cannot
 # verify a tree; triton is the backend every DDTREE benchmark and check ran with.
@@ -39,151 +39,6 @@ HYBRID_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "gated_deltanet", "
 HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemotron_h",
                       "jamba", "mamba", "mamba2", "bamba", "granitemoehybrid", "kimi_linear",
                       "lfm2", "minimax_m1", "plamo2", "zamba2"}
-
-
-VERIFY_ATTENTION_ENV = "SGLANG_DDTREE_VERIFY_ATTENTION"
-HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
-BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
-ENV_CHOICES = {"SGLANG_DDTREE_CUDA_GRAPH_TREE": ("1", "0"),
-               "SGLANG_DDTREE_TREE_KERNEL": ("auto", "torch", "triton"),
-               # verify attention with the triton backend (first = default): kernel, DDTREE's
-               # tree-attention kernel (kernels/tree_attention.py) for every tree verify:
-               # lossless in the server (e2e run 6) and 0.78-0.97x a DFLASH step at B = 15
-               # (cost run 6, 2026-12-04); single, SGLang's masked extend kernel, one call;
-               # split, prefix + tree partial attentions merged by LSE from 32 requests
-               # (verify_attention.py).  Other backends: always their own call.
-               VERIFY_ATTENTION_ENV: ("kernel", "single", "split"),
-               # log the host's time per decode step by stage (host_timing.py): 0 off, 1 on
-               HOST_TIMING_ENV: ("0", "1"),
-               # the batch-aware budget's per-step trace in meta_info["ddtree_budget"]
-               # (SGLang's customized_info channel): 1 on, 0 off
-               BUDGET_TRACE_ENV: ("1", "0")}
-
-
-# The budgets the worker chooses from per decode batch (issue 13; adaptive_budget.py):
-# "auto" = budget.candidate_budgets(B), "off" = always B, or a comma list (B is always added).
-BUDGETS_ENV = "SGLANG_DDTREE_BUDGETS"
-
-
-def parse_budgets(value: str, max_budget: int) -> list[int]:
-    """SGLANG_DDTREE_BUDGETS -> the ascending candidate budgets, ending with `max_budget`."""
-    from ddtree_sglang.budget import candidate_budgets
-
-    value = value.strip()
-    if value == "auto":
-        return candidate_budgets(max_budget)
-    if value == "off":
-        return [max_budget]
-    accepted = (f"accepted: auto (default), off (always B = {max_budget}), or a comma list of "
-                f"budgets in 1..{max_budget} (B = --speculative-num-draft-tokens - 1 is always "
-                "one of them)")
-    try:
-        budgets = sorted({int(x) for x in value.split(",")})
-    except ValueError:
-        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} is not accepted; {accepted}") from None
-    if budgets[0] < 1 or budgets[-1] > max_budget:
-        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} names a budget outside 1..{max_budget};"
-                                f" {accepted}")
-    return budgets if budgets[-1] == max_budget else budgets + [max_budget]
-
-
-def budgets_setting(max_budget: int) -> list[int]:
-    """The candidate budgets from the environment (checked; see parse_budgets)."""
-    import os
-
-    return parse_budgets(os.environ.get(BUDGETS_ENV, "auto"), max_budget)
-
-
-# One decode step in N per batch size verifies the batch-aware budget's least-measured
-# candidate, so that every candidate's live cost gets measured (0: never).
-EXPLORE_ENV = "SGLANG_DDTREE_EXPLORE_EVERY"
-DEFAULT_EXPLORE_EVERY = 32
-
-
-def parse_explore_every(value: str) -> int:
-    """SGLANG_DDTREE_EXPLORE_EVERY -> N (0 = no exploration)."""
-    try:
-        n = int(value.strip())
-    except ValueError:
-        n = -1
-    if n != 0 and n < 2:
-        raise DDTreeConfigError(f"{EXPLORE_ENV}={value!r} is not accepted; accepted: an integer "
-                                f">= 2 (one step in N per batch size tries the least-measured "
-                                f"budget; default {DEFAULT_EXPLORE_EVERY}) or 0 (never)")
-    return n
-
-
-# The batch-aware budget acts only on predicted gains of at least this fraction of tokens/ms:
-# a batch size where no smaller tree can gain that much (budget.largest_budget_gain_bound)
-# verifies the largest budget with no choice, statistics or exploration, and a chosen budget
-# is replaced only by one that promises that much more (0: act on any gain).
-MIN_GAIN_ENV = "SGLANG_DDTREE_BUDGET_MIN_GAIN"
-DEFAULT_MIN_GAIN = 0.03
-
-
-def parse_min_gain(value: str) -> float:
-    """SGLANG_DDTREE_BUDGET_MIN_GAIN -> the fraction (0 <= x <= 0.5)."""
-    try:
-        x = float(value.strip())
-    except ValueError:
-        x = -1.0
-    if not 0.0 <= x <= 0.5:
-        raise DDTreeConfigError(f"{MIN_GAIN_ENV}={value!r} is not accepted; accepted: a number "
-                                f"in [0, 0.5], the least predicted gain in tokens/ms the "
-                                f"batch-aware budget acts on (default {DEFAULT_MIN_GAIN}: 3%; "
-                                f"0: any gain)")
-    return x
-
-
-# The knobs that take a number: name -> (parser raising DDTreeConfigError, default).
-PARSED_ENV = {EXPLORE_ENV: (parse_explore_every, str(DEFAULT_EXPLORE_EVERY)),
-              MIN_GAIN_ENV: (parse_min_gain, str(DEFAULT_MIN_GAIN))}
-
-
-def parsed_setting(name: str):
-    """A PARSED_ENV knob's value from the environment (checked; its default when unset)."""
-    import os
-
-    parse, default = PARSED_ENV[name]
-    return parse(os.environ.get(name, default))
-
-
-def explore_every_setting() -> int:
-    return parsed_setting(EXPLORE_ENV)
-
-
-def min_gain_setting() -> float:
-    return parsed_setting(MIN_GAIN_ENV)
-
-
-def check_env(name: str, value: str) -> None:
-    """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
-    DDTREE environment setting (the server's knobs and the benchmark arms' env use this)."""
-    if name == BUDGETS_ENV:
-        parse_budgets(value, MAX_BUDGET)  # the range against B is checked by validate()
-        return
-    if name in PARSED_ENV:
-        PARSED_ENV[name][0](value)
-        return
-    if name not in ENV_CHOICES:
-        known = [*ENV_CHOICES, BUDGETS_ENV, *PARSED_ENV]
-        raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(known))}")
-    if value not in ENV_CHOICES[name]:
-        raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
-                                f"{', '.join(ENV_CHOICES[name])} (default {ENV_CHOICES[name][0]})")
-
-
-def env_setting(name: str) -> str:
-    """A DDTREE environment knob, checked against its accepted values (first = default)."""
-    import os
-
-    value = os.environ.get(name, ENV_CHOICES[name][0])
-    check_env(name, value)
-    return value
-
-
-class DDTreeConfigError(ValueError):
-    """A server argument DDTREE cannot run with; the message names the accepted values."""
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:
@@ -325,23 +180,13 @@ def validate(args: Any) -> None:
         cfg = drafter_config(args)
         block = block_size_from_args(args, cfg)
         check_budget(budget_from_args(args), block)
-        budgets_setting(budget_from_args(args))
+        DDTreeSettings.from_values(budget_from_args(args), block)
         taps = tap_error(cfg.target_layer_ids, _target_hf_config(args))
         if taps:
             errors.append(taps)
     except DDTreeConfigError as exc:
         errors.append(str(exc))
     errors += _backend_errors(args)
-    for name in ENV_CHOICES:
-        try:
-            env_setting(name)
-        except DDTreeConfigError as exc:
-            errors.append(str(exc))
-    for name in PARSED_ENV:
-        try:
-            parsed_setting(name)
-        except DDTreeConfigError as exc:
-            errors.append(str(exc))
     page = _get(args, "page_size")
     if page not in (None, 1):
         errors.append(f"DDTREE supports --page-size 1 only for now; got {page} "
@@ -375,6 +220,13 @@ def validate(args: Any) -> None:
                       "accepted: full-attention targets (or use_sliding_window false)")
     if errors:
         raise DDTreeConfigError("DDTREE cannot start:\n  - " + "\n  - ".join(errors))
+
+
+def settings_from_args(args: Any) -> DDTreeSettings:
+    """The settings of a server whose arguments passed validate() (the worker's process builds
+    them once from the arguments SGLang hands it and its environment)."""
+    return DDTreeSettings.from_values(budget_from_args(args),
+                                      block_size_from_args(args, drafter_config(args)))
 
 
 def apply_defaults(args: Any) -> None:

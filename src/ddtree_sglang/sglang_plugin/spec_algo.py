@@ -10,10 +10,10 @@ works on the drafter's block (block_size), the target verifies the tree (B + 1 t
 
 from __future__ import annotations
 
-from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin import contract
 from ddtree_sglang.sglang_plugin import server_args as ddtree_args
 
-_, CustomSpecAlgo, _ = internals.spec_classes()
+_, CustomSpecAlgo, _ = contract.spec_classes()
 
 
 class DDTreeSpecAlgo(CustomSpecAlgo):
@@ -27,7 +27,9 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         return True
 
     def supports_grammar_overlap(self) -> bool:
-        return False
+        # As DFLASH: the worker advances the grammars through the scheduler's barrier while the
+        # verify pass runs (build_grammar_vocab_mask), so grammar batches keep overlap.
+        return True
 
     # Called by the 0.5.17 scheduler on every algorithm but missing from CustomSpecAlgo.
     def need_topk(self) -> bool:
@@ -38,13 +40,13 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
     def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
                           needs_confidence_relay: bool = False):
-        return internals.future_map(device, self, req_to_token_pool, needs_cpu_seq_lens,
+        return contract.future_map(device, self, req_to_token_pool, needs_cpu_seq_lens,
                                     needs_confidence_relay)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int,
                                                  is_draft_worker: bool) -> int:
         if is_draft_worker:
-            block = internals.runtime_spec().speculative_dflash_block_size
+            block = contract.runtime_spec().speculative_dflash_block_size
             if block is None:
                 raise RuntimeError("DDTREE: speculative_dflash_block_size was not resolved")
             return int(block)
@@ -52,4 +54,4 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
     def handle_server_args(self, server_args) -> None:
         ddtree_args.apply_defaults(server_args)
-        internals.resolve_draft_attention_backend(server_args)
+        contract.resolve_draft_attention_backend(server_args)

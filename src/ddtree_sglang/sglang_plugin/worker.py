@@ -1,48 +1,47 @@
 """DDTreeWorker: SGLang's DFlash worker with the linear verify replaced by a draft tree.
 
-Prefill, target hidden-state capture, draft-KV materialisation and the one-pass block draft are
-DFlashWorkerV2's.  A decode step then:
+Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
+DFlashWorkerV2's.  A decode step runs five stages over the records of step_records.py:
 
-  1. drafts the block [bonus, MASK x (bs-1)] once and takes the drafter's full distributions
-     for depths 1..L through the target's lm_head (the greedy in-graph head is not used);
-  2. builds the B-best tree, its verify layout and the FULL tree mask (ddtree_sglang core),
-     cut to the budget chosen for this batch (adaptive_budget.py; B when pinned);
-  3. verifies root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask input
-     (Triton / FlashInfer, CUDA graphs captured with the mask, see plugin.py);
-  4. samples the target once per node (argmax when greedy) and walks the tree (core);
-  5. moves the accepted nodes' target KV to the front of the request's slots, writes their
-     target hidden states into the draft KV at chain positions, and publishes new lengths.
-Before step 4 each node's logits get the request's penalties as plain decoding would apply
-them at that node (its own path included; ddtree_sglang.penalties).  No step reads tensors back
-to the host.
+  draft             the block [bonus, MASK x (bs-1)] through the drafter once;
+  build tree        the drafter's full distributions (through the target's lm_head) -> the
+                    B-best tree, its verify layout and mask (ddtree_sglang core), cut to the
+                    budget chosen for this batch (adaptive_budget.py; B when pinned);
+  verify            root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask
+                    input (CUDA graphs captured with the mask, see plugin.py); while it runs,
+                    the host builds the grammar bitmask over every node (structured output);
+  sample and accept each node's logits get the request's grammar mask and penalties as plain
+                    decoding would apply them there; the target samples once per node (argmax
+                    when greedy) and the tree is walked along its choices (core);
+  commit            the accepted nodes' target KV moves to the committed positions, their
+                    hidden states enter the draft KV, and the committed tokens' logprobs are
+                    read off the same node logits when asked.
+No stage reads tensors back to the host.  Prefill is DFLASH's, run here so that requests with
+logprobs are served too.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from dataclasses import replace
 
 import torch
 
-from ddtree_sglang.decode_step import (StepCommit, accept_stage, commit_slots,
-                                       check_accept_kernel, check_builder,
-                                       check_kv_move_kernel, check_logsumexp_kernel,
-                                       check_topk_kernel,
-                                       fused_accept_stage, kv_moves, move_rows,
-                                       penalise_nodes, select_builder, tree_stage,
-                                       truncate_layout, unpack_tree_stage, verify_mask)
+from ddtree_sglang.decode_step import (StepCommit, commit_slots, kv_moves, penalise_nodes,
+                                       tree_stage, truncate_layout, unpack_tree_stage,
+                                       verify_mask)
 from ddtree_sglang.graphed import GraphedFunction
+from ddtree_sglang.kernel_choice import Kernels, choose_kernels
+from ddtree_sglang.logprobs import committed_log_probs
 from ddtree_sglang.sampling import sample_rows
-from ddtree_sglang.sglang_plugin import internals
+from ddtree_sglang.sglang_plugin import contract, patches
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.server_args import (BUDGET_TRACE_ENV, HOST_TIMING_ENV,
-                                                     VERIFY_ATTENTION_ENV,
-                                                     budgets_setting, env_setting,
-                                                     explore_every_setting, min_gain_setting)
+from ddtree_sglang.sglang_plugin.server_args import settings_from_args
+from ddtree_sglang.sglang_plugin.step_records import Accepted, DraftedTree, StepPlan, Verified
 from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
                                                           check_verify_attention)
 
@@ -57,6 +56,7 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
     rows of seeded requests draw as a function of (seed, node position))."""
     if sampling_info is None or sampling_info.is_all_greedy:
         return logits.argmax(dim=-1)
+
     def per_node(x):
         return torch.repeat_interleave(x, n, dim=0)
 
@@ -66,137 +66,101 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
         per_node(si.top_ks) if si.need_top_k_sampling else None,
         per_node(si.top_ps) if si.need_top_p_sampling else None,
         per_node(si.min_ps) if si.need_min_p_sampling else None,
-        top_k_renorm=internals.top_k_renorm_prob, top_p_renorm=internals.top_p_renorm_prob,
+        top_k_renorm=contract.top_k_renorm_prob, top_p_renorm=contract.top_p_renorm_prob,
         seeds=None if seeds is None else per_node(seeds), positions=positions)
 
 
-class DDTreeWorker(internals.DFlashWorkerV2):
-    _verify_attention = "single"  # set by init_attention_backends
-
+class DDTreeWorker(contract.DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
-        internals.check_contract()
+        contract.check_contract()
+        # Both are read by init_attention_backends, which the parent's __init__ calls.
+        self.settings = settings_from_args(server_args)
+        started = time.perf_counter()
+        self.kernels = self._choose_kernels(target_worker, gpu_id)
+        checks_s = time.perf_counter() - started
         super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
                          target_worker=target_worker)
-        internals.check_inherited(self)
-        self.verify_width = int(server_args.speculative_num_draft_tokens)  # N = B + 1 (max)
-        self.budget = self.verify_width - 1
-        # Candidate budgets of the batch-aware choice (adaptive_budget.py), ending with B; the
-        # choice is made only if init_cuda_graphs could build and time a verify per width.
-        self.budgets = budgets_setting(self.budget)
+        s = self.settings
+        self.budget, self.verify_width = s.budget, s.verify_width  # the largest tree
+        self.block_size, self.depth = s.block_size, s.depth
+        # The batch-aware choice's candidates, ending with B; it runs only if
+        # init_cuda_graphs could build and time a verify per width.
+        self.budgets = list(s.budgets)
         self._adaptive: AdaptiveBudget | None = None
-        self.block_size = int(server_args.speculative_dflash_block_size)
-        self.depth = self.block_size - 1
         # Tokens one step can commit: at most L accepted nodes + the bonus (B >= L, see
         # server_args.check_budget), which is also the width of a result row.
         self.out_width = self.block_size
         self.speculative_num_draft_tokens = self.verify_width
-        self._block_pos_offsets = internals.build_block_pos_offsets(length=self.block_size,
-                                                                    device=self.device)
-        self._draft_block_spec_info = internals.make_draft_block_spec_info(
+        self._block_pos_offsets = contract.build_block_pos_offsets(length=self.block_size,
+                                                                   device=self.device)
+        self._draft_block_spec_info = contract.make_draft_block_spec_info(
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
-        graphs = env_setting("SGLANG_DDTREE_CUDA_GRAPH_TREE") == "1"
-        self._budget_trace = env_setting(BUDGET_TRACE_ENV) == "1"
-        self._kv_move = None  # None: resolved at the first decode (the KV pool exists then)
-        started = time.perf_counter()
-        builder_name = self._choose_kernels()
-        checks_s = time.perf_counter() - started
-        self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage", graphs)
-        self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage", graphs)
+        self._kv_move_buffers = None  # resolved at the first decode (the KV pool exists then)
+        self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage",
+                                           s.cuda_graph_tree)
+        self._accept_stage = GraphedFunction(self._run_accept_stage, "DDTREE accept stage",
+                                             s.cuda_graph_tree)
         self._penalty_state: PenaltyState | None = None
-        self._clock = StageClock() if env_setting(HOST_TIMING_ENV) == "1" and \
-            self.ps.tp_rank == 0 else NoClock()
+        self._clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ, and SGLang's eager path casts them to bfloat16.
         draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
                            if p.dim() == 2 and p.is_floating_point())
-        internals.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
+        patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
         # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
         self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
-                        "tree builder %s, drafter weights %s, target embeddings %s; startup "
-                        "kernel checks %.1f s", self.budget,
-                        self.verify_width, self.block_size, self.depth, builder_name,
-                        draft_dtype,
-                        self.target_worker.model_runner.model.get_input_embeddings().weight.dtype,
-                        checks_s)
+                        "drafter weights %s; kernels: %s (startup checks %.1f s)", self.budget,
+                        self.verify_width, self.block_size, self.depth, draft_dtype,
+                        self.kernels.describe(), checks_s)
 
-    def _choose_kernels(self) -> str:
-        """The tree builder, the acceptance walk, and whether the Triton top-k, logsumexp and
-        KV move are used: each kernel is compared once with its PyTorch reference on this GPU
-        and dropped, with a warning, if it fails or differs.  Returns the builder's name."""
-        self._builder, name = select_builder(env_setting("SGLANG_DDTREE_TREE_KERNEL"),
-                                             self.budget, self.depth)
-        self._accept = accept_stage
-        if not torch.cuda.is_available():
-            return name
-        why = check_accept_kernel(self.device, self.depth, self.out_width)
-        if why is None:
-            self._accept = fused_accept_stage()
-        else:
-            logger.warning("DDTREE: the fused acceptance kernel is not used (%s); the PyTorch "
-                           "accept stage walks the trees", why)
-        head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
-        why = check_logsumexp_kernel(self.vocab_size, self.device, head_dtype)
-        if why is not None:
-            logger.warning("DDTREE: the Triton logsumexp is not used (%s); the draft "
-                           "log-probabilities use torch.logsumexp in float32", why)
-        why = check_topk_kernel(self.vocab_size, min(self.budget, self.vocab_size), self.device,
-                                head_dtype)
-        if why is not None:
-            logger.warning("DDTREE: the Triton top-k is not used (%s); the draft top-k uses "
-                           "torch.topk", why)
-        why = check_kv_move_kernel(self.device)
-        if why is not None:
-            logger.warning("DDTREE: the Triton KV move is not used (%s); SGLang's generic move "
-                           "commits the accepted KV", why)
-            self._kv_move = False
-        if name != "torch":
-            why = check_builder(self._builder, self.budget, self.depth, self.vocab_size,
-                                self.device, head_dtype)
-            if why is not None:
-                logger.warning("DDTREE: the fused tree kernel is not used (%s); the PyTorch "
-                               "builder builds the same trees", why)
-                self._builder, name = select_builder("torch", self.budget, self.depth)
-        return name
+    def _choose_kernels(self, target_worker, gpu_id: int) -> Kernels:
+        """Every kernel of the step checked once on this GPU (kernel_choice.py).  The verify
+        attention variants replace the triton backend's extend kernel only (the default
+        applies there alone; a variant named for another backend is dropped, with why)."""
+        s = self.settings
+        runner = target_worker.model_runner
+        device = torch.device("cuda", gpu_id) if torch.cuda.is_available() else "cpu"
+        dtype = runner.model.lm_head.weight.dtype
+        variant, backend_refusal = s.verify_attention, None
+        if variant != "single" and not contract.is_triton_attention(runner.attn_backend):
+            if s.verify_attention_named:
+                backend_refusal = (f"the target's attention backend is "
+                                   f"{type(runner.attn_backend).__name__}, not triton")
+            variant = "single"
+
+        def check_verify(name: str) -> str | None:
+            return check_verify_attention(contract.extend_attention_fwd,
+                                          contract.merge_state_triton,
+                                          contract.extend_attention_signature(), device, dtype,
+                                          make=VARIANTS[name])
+
+        kernels = choose_kernels(tree_kernel=s.tree_kernel, budget=s.budget, depth=s.depth,
+                                 vocab=int(runner.model_config.vocab_size),
+                                 out_width=s.block_size, device=device, dtype=dtype,
+                                 verify_attention=variant, check_verify_attention=check_verify)
+        if backend_refusal is not None:
+            kernels = replace(kernels, dropped=kernels.dropped + (
+                (f"{s.verify_attention} verify attention", backend_refusal),))
+        return kernels
 
     def init_attention_backends(self):
         """After SGLang made the target's attention backend (it runs first) and before any
-        graph is captured: the split or kernel tree-verify attention, if asked for and exact
-        here."""
+        graph is captured: install the tree-verify attention the kernel choice kept."""
         super().init_attention_backends()
-        variant = env_setting(VERIFY_ATTENTION_ENV)
-        backend = self.target_worker.model_runner.attn_backend
+        variant = self.kernels.verify_attention
         if variant == "single":
             return
-        if not (internals.is_triton_attention(backend) or os.environ.get(VERIFY_ATTENTION_ENV)):
-            if self.ps.tp_rank == 0:  # the default: it applies to the triton backend only
-                logger.info("DDTREE verify attention: %s's own", type(backend).__name__)
-            return
-        why = self._install_verify_attention(backend, variant)
-        self._verify_attention = variant if why is None else "single"
+        patches.wrap_verify_attention(self.target_worker.model_runner.attn_backend,
+                                      VARIANTS[variant])
         if self.ps.tp_rank == 0:
-            if why is not None:
-                logger.warning("DDTREE: verify attention stays a single masked call (%s)", why)
-            elif variant == "split":
-                logger.info("DDTREE verify attention: split from %d requests a verify "
-                            "(mask-free prefix + masked tree, merged by log-sum-exp)",
-                            SPLIT_MIN_REQUESTS)
-            else:
-                logger.info("DDTREE verify attention: kernel (split-KV prefix + masked tree "
-                            "in one online softmax, kernels/tree_attention.py)")
-
-    def _install_verify_attention(self, backend, variant: str) -> str | None:
-        """A VARIANTS verify attention on one target attention backend; why not, or None."""
-        head_dtype = self.target_worker.model_runner.model.lm_head.weight.dtype
-
-        def check(single, merge, signature):
-            return check_verify_attention(single, merge, signature, self.device, head_dtype,
-                                          make=VARIANTS[variant])
-
-        return internals.wrap_verify_attention(backend, check, VARIANTS[variant])
+            logger.info("DDTREE verify attention: %s", "split from %d requests a verify "
+                        "(mask-free prefix + masked tree, merged by log-sum-exp)"
+                        % SPLIT_MIN_REQUESTS if variant == "split" else "kernel (split-KV "
+                        "prefix + masked tree in one online softmax, kernels/tree_attention.py)")
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
@@ -208,19 +172,16 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                 self.budgets = [self.budget]
 
     def _build_adaptive_budget(self) -> AdaptiveBudget | None:
-        variant = self._verify_attention
+        variant = self.kernels.verify_attention
 
-        def install(backend) -> None:  # the same check passed on the configured width's backend
-            why = self._install_verify_attention(backend, variant)
-            if why is not None:
-                raise RuntimeError(f"{variant} verify attention failed on a narrower verify's "
-                                   f"backend: {why}")
+        def install(backend) -> None:  # the variant the configured width's backend runs
+            patches.wrap_verify_attention(backend, VARIANTS[variant])
 
+        s = self.settings
         return build_adaptive_budget(self.target_worker.model_runner, self.budgets, self.depth,
                                      self.device, None if variant == "single" else install,
-                                     log=self.ps.tp_rank == 0,
-                                     explore_every=explore_every_setting(),
-                                     min_gain=min_gain_setting())
+                                     log=self.ps.tp_rank == 0, explore_every=s.explore_every,
+                                     min_gain=s.min_gain)
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size
@@ -229,10 +190,10 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         Returns whether the capture question is settled."""
         if not (self._tree_stage.enabled and torch.cuda.is_available()):
             return True
-        decode = internals.decode_graph_config()
+        decode = contract.decode_graph_config()
         if decode is None or not decode.bs:
             return False
-        if internals.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
+        if contract.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
             self._tree_stage.enabled = self._accept_stage.enabled = False
             return True
         sizes = sorted(set(decode.bs), reverse=True)
@@ -283,24 +244,56 @@ class DDTreeWorker(internals.DFlashWorkerV2):
             self._penalty_state = PenaltyState(rows, self.vocab_size, self.device)
         return self._penalty_state
 
-    # -- decode ----------------------------------------------------------------------------
+    # -- one forward -----------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
                 batch.forward_mode.is_idle():
-            if self._adaptive is not None:
-                self._adaptive.interrupt()
-            result = super().forward_batch_generation(batch, on_publish, grammar_barrier)
-            if not batch.forward_mode.is_idle() and result.next_token_ids is not None:
-                self.penalty_state.on_prefill(batch.reqs, result.next_token_ids)
-            return result
-        if batch.spec_info is None or not isinstance(batch.spec_info,
-                                                           internals.DFlashDraftInputV2):
+            return self._prefill(batch, on_publish, grammar_barrier)
+        plan = self._plan(batch)
+        hidden = self._draft(batch)
+        tree = self._build_tree(batch, plan, hidden)
+        verified = self._verify(batch, plan, tree, grammar_barrier)
+        accepted = self._sample_and_accept(batch, plan, tree, verified)
+        return self._commit(batch, plan, tree, verified, accepted, on_publish)
+
+    def _prefill(self, batch, on_publish, grammar_barrier):
+        """The target's prefill pass, which also samples the first token (and computes input
+        and output logprobs when asked), then the prompt's target features into the draft KV:
+        DFLASH's prefill, run here because DFLASH's refuses requests with logprobs."""
+        if self._adaptive is not None:
+            self._adaptive.interrupt()
+        if batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+        result = self.target_worker.forward_batch_generation(
+            batch, capture_hidden_mode=contract.CaptureHiddenMode.FULL)
+        logits_output, first_tokens = result.logits_output, result.next_token_ids
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        if logits_output.hidden_states is None:
+            raise RuntimeError("DDTREE prefill needs the target's captured hidden states")
+        device = first_tokens.device
+        positions, _ = contract.compute_position(
+            self.model_runner.server_args.attention_backend,
+            torch.tensor(batch.prefix_lens, dtype=torch.int32, device=device),
+            torch.tensor(batch.extend_lens, dtype=torch.int32, device=device),
+            int(sum(batch.extend_lens)))
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=logits_output.hidden_states, cache_loc=batch.out_cache_loc,
+            positions=positions)
+        logits_output.hidden_states = None  # no host copy of the features under overlap
+        result.next_draft_input = self._make_next_draft_input_prefill(
+            bonus_tokens=first_tokens, seq_lens=batch.seq_lens)
+        self.penalty_state.on_prefill(batch.reqs, first_tokens)
+        return result
+
+    def _plan(self, batch) -> StepPlan:
+        """The step's batch and budget (host only)."""
+        if not isinstance(batch.spec_info, contract.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
-        draft_input = batch.spec_info
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs = len(batch.seq_lens)
-        clock = self._clock
-        clock.start(bs)
+        self._clock.start(bs)
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
@@ -309,109 +302,176 @@ class DDTreeWorker(internals.DFlashWorkerV2):
                                  self.verify_width))
         adaptive = self._adaptive
         budget = self.budget if adaptive is None else adaptive.choose(bs)
-        n = budget + 1  # this step's verify width
         if adaptive is not None:
             adaptive.start_step(bs, budget)
+        return StepPlan(bs=bs, budget=budget)
 
-        hidden = self._draft_block(batch, draft_input)  # [bs, block, H]
-        clock.mark("draft")
+    def _draft(self, batch) -> torch.Tensor:
+        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
+        hidden = self._draft_block(batch, batch.spec_info)
+        self._clock.mark("draft")
+        return hidden
+
+    def _build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor) -> DraftedTree:
+        """Drafter states -> the trees cut to the plan's budget; with a grammar in the batch,
+        the host copy of the tree that the bitmask needs starts here, before the verify."""
         layout, depth_probs = unpack_tree_stage(self._tree_stage(
-            hidden[:, 1:, :], draft_input.bonus_tokens.long(), batch.seq_lens.long()))
-        layout = truncate_layout(layout, n)
-        clock.mark("tree")
+            hidden[:, 1:, :], batch.spec_info.bonus_tokens.long(), batch.seq_lens.long()))
+        layout = truncate_layout(layout, plan.width)
+        grammar_tree = None
+        if batch.has_grammar:
+            grammar_tree = contract.GrammarTree.from_device(
+                retrieve_next_token=layout.retrieve_next_token,
+                retrieve_next_sibling=layout.retrieve_next_sibling,
+                draft_token=layout.draft_tokens.view(plan.bs, plan.width))
+        self._clock.mark("tree")
+        return DraftedTree(layout=layout, depth_probs=depth_probs, grammar_tree=grammar_tree)
 
+    def _verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
+        """The target's pass over every tree node (through this width's runtime), and the
+        grammar bitmask over the same nodes, built on the host while that pass runs."""
         target_runner = self.target_worker.model_runner
-        configured = internals.verify_runtime(target_runner)
-        if adaptive is not None:
-            internals.set_verify_runtime(target_runner, adaptive.runtimes[n])
+        configured = contract.verify_runtime(target_runner)
+        if self._adaptive is not None:
+            patches.set_verify_runtime(target_runner, self._adaptive.runtimes[plan.width])
         try:
-            verify_fb, can_run_graph = self._prepare_verify(batch, draft_input, layout)
+            verify_fb, can_run_graph = self._prepare_verify(batch, batch.spec_info, tree.layout)
             target_out = self.target_worker.forward_batch_generation(
                 batch=None, forward_batch=verify_fb, is_verify=True)
         finally:  # prefill and everything else see the configured width's runtime
-            internals.set_verify_runtime(target_runner, configured)
-        clock.mark("verify")
+            patches.set_verify_runtime(target_runner, configured)
         logits_output = target_out.logits_output
-        logits = logits_output.next_token_logits
+        grammar_mask = None
+        if tree.grammar_tree is not None:
+            grammar_mask = contract.build_grammar_vocab_mask(
+                reqs=batch.reqs, tree=tree.grammar_tree, sampling_info=batch.sampling_info,
+                device=logits_output.next_token_logits.device, barrier=grammar_barrier)
+        self._clock.mark("verify")
+        return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
+                        forward_batch=verify_fb, can_run_graph=can_run_graph,
+                        grammar_mask=grammar_mask)
+
+    def _sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
+                           verified: Verified) -> Accepted:
+        """Each node's logits processed as plain decoding would at that node (grammar mask,
+        the request's penalties with the node's own path, logit bias), one target choice per
+        node, and the walk along them."""
+        bs, n, lay = plan.bs, plan.width, tree.layout
+        logits = verified.logits
+        if verified.grammar_mask is not None:
+            verified.grammar_mask.apply(logits)
         penalties = self.penalty_state.params(batch.reqs)
         if penalties is not None:
             counts, out_len = self.penalty_state.rows_of(batch.req_pool_indices)
             penalise_nodes(logits.view(bs, n, -1)[..., : self.vocab_size], counts, out_len,
-                           penalties, layout.draft_tokens.view(bs, n), layout.tree_parents,
-                           layout.tree_depths, self.depth)
-        internals.apply_dflash_verify_logits_adjustments(next_token_logits=logits,
-                                               sampling_info=batch.sampling_info,
-                                               draft_token_num=n)
+                           penalties, lay.draft_tokens.view(bs, n), lay.tree_parents,
+                           lay.tree_depths, self.depth)
+        contract.apply_dflash_verify_logits_adjustments(
+            next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
         choice = sample_per_node(logits, batch.sampling_info, n,
                                  request_seeds(batch.reqs, self.device),
-                                 layout.positions).view(bs, n)
-        step = StepCommit(*self._accept_stage(layout.draft_tokens.view(bs, n),
-                                              layout.tree_parents, layout.tree_depths, choice))
-        commit_lens = step.commit_lens
-        clock.mark("sample + accept")
-        if penalties is not None:
-            self.penalty_state.commit(batch.req_pool_indices, step.tokens, commit_lens)
-        new_seq_lens = batch.seq_lens + commit_lens.to(batch.seq_lens.dtype)
-        self._move_accepted_kv(batch, step, n)
+                                 lay.positions).view(bs, n)
+        commit = StepCommit(*self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents,
+                                                lay.tree_depths, choice))
+        self._clock.mark("sample + accept")
+        return Accepted(choice=choice, commit=commit, penalties=penalties)
+
+    def _commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
+                accepted: Accepted, on_publish):
+        """The accepted path's KV to its committed positions, its target features into the
+        draft KV, the committed tokens' logprobs, the budget's statistics; the result."""
+        step = accepted.commit
+        if accepted.penalties is not None:
+            self.penalty_state.commit(batch.req_pool_indices, step.tokens, step.commit_lens)
+        new_seq_lens = batch.seq_lens + step.commit_lens.to(batch.seq_lens.dtype)
+        self._move_accepted_kv(batch, step, plan.width)
         if on_publish is not None:
             on_publish(new_seq_lens)
-
-        feats = logits_output.hidden_states
-        if feats is None:
-            raise RuntimeError("DDTREE verify needs the target's captured hidden states")
-        front_loc = commit_slots(batch.out_cache_loc, bs, n, self.out_width)
-        chain_pos = batch.seq_lens.view(bs, 1).to(torch.int64) + torch.arange(
-            self.out_width, device=self.device)
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=feats[step.feature_rows.reshape(-1)],
-            cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
-            cache_loc_2d=front_loc, commit_lens=commit_lens)
-        logits_output.hidden_states = None
-        clock.mark("commit")
-        if adaptive is not None:
-            adaptive.observe(bs, budget, depth_probs, commit_lens)
-            if self._budget_trace:
-                internals.report_per_request(logits_output, "ddtree_budget", [budget] * bs)
-
-        result = internals.GenerationBatchResult(
-            logits_output=logits_output,
+        self._append_committed_features(batch, plan, verified, step)
+        if batch.return_logprob:
+            self._add_logprobs(batch, verified, step)
+        if self._adaptive is not None:
+            self._adaptive.observe(plan.bs, plan.budget, tree.depth_probs, step.commit_lens)
+            if self.settings.budget_trace:
+                contract.report_per_request(verified.logits_output, "ddtree_budget",
+                                            [plan.budget] * plan.bs)
+        self._clock.mark("commit")
+        result = contract.GenerationBatchResult(
+            logits_output=verified.logits_output,
             next_token_ids=step.tokens.reshape(-1),
-            accept_lens=commit_lens,
-            can_run_cuda_graph=can_run_graph,
+            accept_lens=step.commit_lens,
+            can_run_cuda_graph=verified.can_run_graph,
             next_draft_input=self._make_next_draft_input_decode(
                 bonus_tokens=step.bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=self.out_width,
             new_seq_lens=new_seq_lens,
-            extra_keep_alive_refs=[verify_fb, layout],
+            extra_keep_alive_refs=[verified.forward_batch, tree.layout],
         )
-        clock.end()
+        self._clock.end()
         return result
+
+    def _append_committed_features(self, batch, plan: StepPlan, verified: Verified,
+                                   step: StepCommit) -> None:
+        """The committed tokens' target hidden states -> the draft KV at chain positions."""
+        feats = verified.logits_output.hidden_states
+        if feats is None:
+            raise RuntimeError("DDTREE verify needs the target's captured hidden states")
+        front_loc = commit_slots(batch.out_cache_loc, plan.bs, plan.width, self.out_width)
+        chain_pos = batch.seq_lens.view(plan.bs, 1).to(torch.int64) + torch.arange(
+            self.out_width, device=self.device)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=feats[step.feature_rows.reshape(-1)],
+            cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
+            cache_loc_2d=front_loc, commit_lens=step.commit_lens)
+        verified.logits_output.hidden_states = None
+
+    def _add_logprobs(self, batch, verified: Verified, step: StepCommit) -> None:
+        """The committed tokens' logprobs (and top / token-id logprobs when asked) in the
+        layout SGLang's spec-v2 result processing reads: [bs, W] and bs * W rows."""
+        si = batch.sampling_info
+        original = contract.resolve(contract.NAMES["RETURN_ORIGINAL_LOGPROB"])
+        temperatures = None if si is None or si.is_all_greedy or original else si.temperatures
+        row_lp, token_lp = committed_log_probs(verified.logits[:, : self.vocab_size],
+                                               step.feature_rows, step.tokens, temperatures)
+        out, width = verified.logits_output, self.out_width
+        out.next_token_logprobs = token_lp
+        if batch.top_logprobs_nums and any(k > 0 for k in batch.top_logprobs_nums):
+            out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx = \
+                contract.get_top_logprobs(
+                    row_lp, [k for k in batch.top_logprobs_nums for _ in range(width)],
+                    no_copy_to_cpu=True)
+        if batch.token_ids_logprobs and any(t is not None for t in batch.token_ids_logprobs):
+            out.next_token_token_ids_logprobs_val, out.next_token_token_ids_logprobs_idx = \
+                contract.get_token_ids_logprobs(
+                    row_lp, [t for t in batch.token_ids_logprobs for _ in range(width)],
+                    no_copy_to_cpu=True)
 
     def _build_tree_stage(self, draft_hidden, roots, seq_lens) -> tuple:
         """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
         return tree_stage(self._draft_logits(draft_hidden), roots, seq_lens, self.budget,
-                          self.depth, self._builder,
+                          self.depth, self.kernels.build_tree,
                           tuple(self.budgets) if len(self.budgets) > 1 else ())
 
     def _run_accept_stage(self, tokens, parents, depths, choice) -> tuple:
         """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
-        return self._accept(tokens, parents, depths, choice, self.depth, self.out_width)
+        return self.kernels.accept_stage(tokens, parents, depths, choice, self.depth,
+                                         self.out_width)
 
     def _move_accepted_kv(self, batch, step: StepCommit, n: int) -> None:
         """Accepted path's K/V -> the committed positions: one launch that moves only what
-        is not in place (kernels/kv_move.py), or SGLang's generic move for pool layouts the
-        kernel does not address."""
-        if self._kv_move is None:
-            self._kv_move = internals.kv_move_buffers(
+        is not in place (kernels/kv_move.py), or SGLang's generic move where the kernel was
+        dropped or the pool's layout is one it does not address."""
+        if self._kv_move_buffers is None:
+            self._kv_move_buffers = self.kernels.kv_move and contract.kv_move_buffers(
                 self.model_runner.token_to_kv_pool_allocator) or False
-        if self._kv_move is False:
-            internals.move_accept_tokens_to_target_kvcache(
+        if self._kv_move_buffers is False:
+            contract.move_accept_tokens_to_target_kvcache(
                 batch, step.accept_index, step.commit_lens - 1,
                 self.model_runner.token_to_kv_pool_allocator)
             return
-        data_ptrs, row_bytes, max_row_bytes = self._kv_move
+        data_ptrs, row_bytes, max_row_bytes = self._kv_move_buffers
         tgt, src = kv_moves(batch.out_cache_loc, step.accept_index, step.commit_lens, n)
-        move_rows(data_ptrs, row_bytes, max_row_bytes, tgt, src)
+        self.kernels.move_kv_rows(data_ptrs, row_bytes, max_row_bytes, tgt, src)
 
     def _host_seq_lens_bound(self, batch, draft_input, extra: int):
         """Host-side per-request upper bounds on the committed lengths, and their sum.
@@ -437,28 +497,28 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         block_ids = self._draft_block_ids_buf[:bs]
         positions_2d = self._draft_block_positions_buf[:bs]
         cache_loc_2d = self._draft_verify_out_cache_loc_buf[:bs]
-        internals.prepare_dflash_draft_block(
+        contract.prepare_dflash_draft_block(
             bonus_tokens=draft_input.bonus_tokens.view(-1),
             prefix_lens=batch.seq_lens.view(-1),
             req_pool_indices=batch.req_pool_indices.view(-1),
             req_to_token=self.model_runner.req_to_token_pool.req_to_token,
             block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
             mask_token_id=int(self._mask_token_id))
-        # The drafter's forward casts these to its own dtype (internals.keep_embeds_dtype).
+        # The drafter's forward casts these to its own dtype (contract.keep_embeds_dtype).
         embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids)
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input, block)
         cpu_buf = self._draft_seq_lens_cpu_buf[:bs]
         cpu_buf.copy_(seq_lens_cpu)
-        forward_batch = internals.ForwardBatch(
-            forward_mode=internals.ForwardMode.TARGET_VERIFY, batch_size=bs,
+        forward_batch = contract.ForwardBatch(
+            forward_mode=contract.ForwardMode.TARGET_VERIFY, batch_size=bs,
             input_ids=block_ids.flatten(), req_pool_indices=batch.req_pool_indices,
             seq_lens=batch.seq_lens, out_cache_loc=cache_loc_2d.reshape(-1),
             seq_lens_sum=seq_lens_sum, seq_lens_cpu=cpu_buf,
             positions=positions_2d.reshape(-1),
             input_embeds=embeds.view(-1, embeds.shape[-1]),
-            spec_algorithm=internals.SpeculativeAlgorithm.DFLASH,
+            spec_algorithm=contract.SpeculativeAlgorithm.DFLASH,
             spec_info=self._draft_block_spec_info,
-            capture_hidden_mode=internals.CaptureHiddenMode.NULL)
+            capture_hidden_mode=contract.CaptureHiddenMode.NULL)
         with torch.inference_mode():
             out = self.draft_model_runner.forward(forward_batch)
         hidden = out.logits_output.hidden_states
@@ -479,19 +539,19 @@ class DDTreeWorker(internals.DFlashWorkerV2):
         seq_lens_cpu, seq_lens_sum = self._host_seq_lens_bound(batch, draft_input,
                                                                self.verify_width)
         mask = verify_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
-        verify_input = internals.EagleVerifyInput(
+        verify_input = contract.EagleVerifyInput(
             draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,
             retrieve_index=layout.retrieve_index,
             retrieve_next_token=layout.retrieve_next_token,
             retrieve_next_sibling=layout.retrieve_next_sibling, retrieve_cum_len=None,
             spec_steps=self.depth, topk=1, draft_token_num=n,
-            capture_hidden_mode=internals.CaptureHiddenMode.FULL, seq_lens_sum=None,
+            capture_hidden_mode=contract.CaptureHiddenMode.FULL, seq_lens_sum=None,
             seq_lens_cpu=None)
         batch.spec_info = verify_input
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
         try:
-            verify_fb, can_run_graph = internals.eagle_prepare_for_verify(
+            verify_fb, can_run_graph = contract.eagle_prepare_for_verify(
                 verify_input, self.model_runner.req_to_token_pool, batch, self.target_worker)
         finally:
             batch.seq_lens_cpu, batch.seq_lens_sum = saved

@@ -1,15 +1,21 @@
-"""Every SGLang internal this plugin touches, in one place, so a version bump is one file.
+"""The SGLang contract: every private SGLang name and attribute the plugin reads, checked.
 
 SGLang 0.5.17 has no stable API for speculative workers: the names below are private and move
-between releases.  `CONTRACT` lists each with the parameters we rely on; tests/test_sglang_contract.py
-checks them against the installed SGLang, and `check_contract()` runs at plugin start so a
-mismatched SGLang fails loudly instead of decoding wrongly.
+between releases.  `CONTRACT` lists each callable or class with the parameters the plugin
+passes; `ATTRIBUTES` lists, per class, the attributes the plugin reads on its instances
+(found on the class, its dataclass fields or an assignment to `self.<name>` in its source).
+`check_contract()` runs when the worker starts and tests/test_sglang_plugin.py runs it against
+the installed SGLang, so a mismatched SGLang fails loudly at startup instead of decoding
+wrongly.  What the plugin changes in SGLang's objects lives in patches.py; a version bump
+touches these two files.
 """
 
 from __future__ import annotations
 
-import functools
+import ast
+import dataclasses
 import inspect
+import textwrap
 
 SUPPORTED_SGLANG = "0.5.17"
 
@@ -116,9 +122,70 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend": (),
     # per-request, per-step values SGLang copies into each response's meta_info
     "sglang.srt.layers.logits_processor.LogitsProcessorOutput": ("customized_info",),
+    # prefill (worker.DDTreeWorker._prefill): the target pass that also serves input logprobs
+    "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation":
+        ("batch", "forward_batch", "is_verify", "capture_hidden_mode"),
+    "sglang.srt.model_executor.forward_batch_info.compute_position":
+        ("attn_backend", "extend_prefix_lens", "extend_seq_lens", "extend_seq_lens_sum"),
+    # structured output through the tree (grammar.py)
+    "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
+        ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
+    "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask":
+        ("reqs", "tree", "sampling_info", "device", "barrier"),
+    "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
+    # output logprobs of the committed tokens (worker.DDTreeWorker._logprobs)
+    "sglang.srt.layers.logprob_processor.get_top_logprobs":
+        ("logprobs", "top_logprobs_nums", "no_copy_to_cpu"),
+    "sglang.srt.layers.logprob_processor.get_token_ids_logprobs":
+        ("logprobs", "token_ids_logprobs", "no_copy_to_cpu"),
+    "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB": (),
 }
 
-# The SGLang names the worker uses, as `internals.<short name>` (resolved on first use).  Every
+# Attributes the plugin reads on instances of these classes (their own or inherited).
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2":
+        ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
+         "_mask_token_id", "_draft_block_ids_buf", "_draft_block_positions_buf",
+         "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf"),
+    "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2":
+        ("bonus_tokens", "max_top_k", "uniform_top_k_value", "reserved_seq_lens_cpu",
+         "reserved_seq_lens_sum", "_prepare_batch_seq_lens_cpu_buf",
+         "_prepare_cur_kv_lens_cpu_buf", "_prepare_nxt_kv_lens_cpu_buf",
+         "_prepare_cur_kv_lens_gpu_buf", "_prepare_nxt_kv_lens_gpu_buf"),
+    "sglang.srt.managers.schedule_batch.Req":
+        ("kv", "kv_committed_len", "req_pool_idx", "output_ids", "origin_input_ids",
+         "vocab_size", "return_logprob", "sampling_params", "tokenizer", "grammar",
+         "to_finish", "finished"),
+    "sglang.srt.managers.schedule_batch.ReqKvInfo": ("kv_allocated_len",),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch":
+        ("forward_mode", "is_extend_in_batch", "spec_info", "seq_lens", "seq_lens_cpu",
+         "seq_lens_sum", "req_pool_indices", "out_cache_loc", "reqs", "sampling_info",
+         "has_grammar", "return_logprob", "top_logprobs_nums", "token_ids_logprobs",
+         "extend_lens", "prefix_lens", "req_to_token_pool", "tree_cache", "device",
+         "batch_size"),
+    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo":
+        ("is_all_greedy", "temperatures", "top_ks", "top_ps", "min_ps",
+         "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling", "vocab_size"),
+    "sglang.srt.sampling.sampling_params.SamplingParams":
+        ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+         "stop_token_ids", "sampling_seed", "max_new_tokens"),
+    "sglang.srt.model_executor.model_runner.ModelRunner":
+        ("req_to_token_pool", "token_to_kv_pool_allocator", "attn_backend",
+         "decode_cuda_graph_runner", "model_config", "model", "init_new_workspace",
+         "spec_algorithm", "is_draft_worker", "server_args"),
+    "sglang.srt.layers.logits_processor.LogitsProcessorOutput":
+        ("next_token_logits", "hidden_states", "customized_info", "next_token_logprobs",
+         "next_token_top_logprobs_val", "next_token_top_logprobs_idx",
+         "next_token_token_ids_logprobs_val", "next_token_token_ids_logprobs_idx"),
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner":
+        ("model_runner", "buffers", "captured_req_width", "backend"),
+    "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend":
+        ("_graphs",),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool":
+        ("data_ptrs", "data_strides", "page_size"),
+}
+
+# The SGLang names the plugin uses, as `contract.<short name>` (resolved on first use).  Every
 # sglang path is a CONTRACT entry or the class of one, so check_contract() has vouched for it;
 # the two sgl_kernel functions are that package's public API (it imports only on a GPU machine).
 NAMES = {
@@ -142,18 +209,15 @@ NAMES = {
     "build_block_pos_offsets": "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
     "extend_attention_fwd": "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd",
     "merge_state_triton": "sglang.kernels.ops.attention.merge_state.merge_state_triton",
+    "compute_position": "sglang.srt.model_executor.forward_batch_info.compute_position",
+    "GrammarTree": "sglang.srt.speculative.spec_utils.GrammarTree",
+    "build_grammar_vocab_mask": "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask",
+    "get_top_logprobs": "sglang.srt.layers.logprob_processor.get_top_logprobs",
+    "get_token_ids_logprobs": "sglang.srt.layers.logprob_processor.get_token_ids_logprobs",
+    "RETURN_ORIGINAL_LOGPROB": "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB",
     "top_k_renorm_prob": "sgl_kernel.top_k_renorm_prob",
     "top_p_renorm_prob": "sgl_kernel.top_p_renorm_prob",
 }
-
-# What DDTreeWorker reads from DFlashWorkerV2's instance state (checked once it exists).
-INHERITED_ATTRIBUTES = ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
-                        "_mask_token_id")
-# ... and the draft-block buffers _ensure_draft_block_buffers(bs) fills (declared, as None, by
-# DFlashWorkerV2.__init__; allocated at the first decode with the block size DDTREE sets).
-DRAFT_BLOCK_BUFFERS = ("_draft_block_ids_buf", "_draft_block_positions_buf",
-                       "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf")
-
 
 def __getattr__(name: str):
     if name in NAMES:
@@ -161,19 +225,6 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def check_inherited(worker) -> None:
-    """Fail at startup, naming them, if DFlashWorkerV2 no longer provides the state DDTREE
-    reads (a renamed buffer would otherwise surface as an AttributeError mid-decode).
-
-    Allocates nothing: DFlashWorkerV2 sizes the buffers with its own block size (the verify
-    width), so buffers made here would be the wrong width for DDTREE's draft block."""
-    wanted = INHERITED_ATTRIBUTES + DRAFT_BLOCK_BUFFERS + ("_ensure_draft_block_buffers",)
-    missing = [a for a in wanted if not hasattr(worker, a)]
-    if missing:
-        raise RuntimeError(f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed "
-                           f"DFlashWorkerV2 lacks {missing}")
 
 
 def resolve(path: str):
@@ -211,7 +262,38 @@ def contract_violations() -> list[str]:
         missing = [p for p in params if p not in sig.parameters]
         if missing:
             problems.append(f"{path}: parameters {missing} not in {list(sig.parameters)}")
+    for path, names in ATTRIBUTES.items():
+        try:
+            cls = resolve(path)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{path}: missing ({exc})")
+            continue
+        known = instance_attributes(cls)
+        missing = [n for n in names if n not in known and not hasattr(cls, n)]
+        if missing:
+            problems.append(f"{path}: attributes {missing} not found")
     return problems
+
+
+def instance_attributes(cls: type) -> set[str]:
+    """The attributes instances of `cls` get: dataclass fields, annotations, and every
+    `self.<name> = ...` in the source of the class and its bases (read, never run)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        names |= set(getattr(klass, "__annotations__", {}))
+        if dataclasses.is_dataclass(klass):
+            names |= {f.name for f in dataclasses.fields(klass)}
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == "self" and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return names
 
 
 def check_contract() -> None:
@@ -221,12 +303,12 @@ def check_contract() -> None:
     if problems:
         raise RuntimeError(
             f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed SGLang "
-            f"{getattr(sglang, '__version__', '?')} lacks internals it relies on:\n  "
+            f"{getattr(sglang, '__version__', '?')} lacks internals the plugin relies on:\n  "
             + "\n  ".join(problems)
         )
 
 
-# -- the symbols themselves (imported on use: importing them pulls in much of SGLang) -----------
+# -- reading SGLang's private state (imported on use: importing pulls in much of SGLang) ------
 def spec_classes():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
@@ -271,27 +353,6 @@ def alloc_for_spec_decode(*args, **kwargs) -> None:
     alloc(*args, **kwargs)
 
 
-def keep_embeds_dtype(model, dtype) -> None:
-    """Make `model.forward` cast its `input_embeds` to `dtype`.
-
-    SGLang 0.5.17's eager extend path (`ModelRunner._extend_forward_kwargs`, taken by batches
-    above the largest captured graph size) turns every `input_embeds` into bfloat16, which an
-    fp16 drafter's first matmul refuses.  The runners call `model.forward` directly (hooks do
-    not fire), so the cast wraps that attribute on this one model instance; it is a no-op when
-    the dtype already matches (the graph path, bf16 models).
-    """
-    inner = model.forward
-
-    @functools.wraps(inner)  # the graph runner inspects the signature for `input_embeds`
-    def forward(*args, **kwargs):
-        embeds = kwargs.get("input_embeds")
-        if embeds is not None and embeds.dtype != dtype:
-            kwargs["input_embeds"] = embeds.to(dtype)
-        return inner(*args, **kwargs)
-
-    model.forward = forward
-
-
 def kv_move_buffers(allocator):
     """(data_ptrs, row_bytes, max_row_bytes) of the target's KV pool for a direct slot move, or
     None where the pool's layout needs SGLang's own move (paged HND, native move, no pointers).
@@ -319,41 +380,10 @@ def is_triton_attention(backend) -> bool:
     return isinstance(backend, TritonAttnBackend)
 
 
-def wrap_verify_attention(backend, check, wrap) -> str | None:
-    """Replace the target Triton backend's extend kernel by `wrap(single, merge, signature)`
-    (a tree-verify attention of verify_attention.VARIANTS: split or kernel) if `check(single,
-    merge, signature)` accepts it on this GPU.  Returns why not (None when installed).  Must run
-    before the target's CUDA graphs are captured: they record whichever function is called."""
-    if not is_triton_attention(backend):
-        return f"the target's attention backend is {type(backend).__name__}, not triton"
-    single = getattr(backend, "extend_attention_fwd", None)
-    if single is None:
-        return "the triton backend has no extend_attention_fwd attribute"
-    signature = inspect.signature(resolve(NAMES["extend_attention_fwd"]))
-    merge = resolve(NAMES["merge_state_triton"])
-    why = check(single, merge, signature)
-    if why is None:
-        backend.extend_attention_fwd = wrap(single, merge, signature)
-    return why
-
-
-def declare_server_args(server_args, fields: dict) -> None:
-    """Set server arguments from inside SGLang's argument resolution.
-
-    In 0.5.17 defaults filled during `ServerArgs.__post_init__` (the attention backend among
-    them) are declarations applied at its end, so a plain assignment made by a speculative
-    hook is overwritten; a declaration made here comes after SGLang's and wins.  Objects that
-    are not ServerArgs (tests) get the attributes set directly."""
-    if not hasattr(server_args, "_resolved_overrides"):
-        for name, value in fields.items():
-            setattr(server_args, name, value)
-        return
-    from sglang.srt.arg_groups.overrides import run_post_process_pass
-
-    def ddtree_defaults(view) -> dict:
-        return dict(fields)
-
-    run_post_process_pass(server_args, ddtree_defaults)
+def extend_attention_signature() -> inspect.Signature:
+    """The signature of SGLang's Triton extend kernel (the verify attention wrappers bind
+    their calls by it)."""
+    return inspect.signature(resolve(NAMES["extend_attention_fwd"]))
 
 
 def decode_graph_config():
@@ -378,42 +408,9 @@ def runtime_spec():
     return get_spec()
 
 
-def build_verify_runtime(model_runner, width: int, prepare_backend=None):
-    """(attention backend, verify CUDA-graph runner or None) for target verifies of `width`
-    tokens a request, built as SGLang 0.5.17's EAGLE adaptive speculation builds its per-width
-    states: under a temporary speculative_num_draft_tokens = width, with a fresh workspace.
-    `prepare_backend(backend)` runs before the graphs are captured (they record what it
-    installs)."""
-    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-    from sglang.srt.runtime_context import get_context
-
-    configured = runtime_spec().speculative_num_draft_tokens
-    get_context().override("ddtree.budget_capture", speculative_num_draft_tokens=width)
-    try:
-        saved_workspace = model_runner.init_new_workspace
-        try:
-            backend = model_runner._get_attention_backend(init_new_workspace=True)
-        finally:
-            model_runner.init_new_workspace = saved_workspace
-        if prepare_backend is not None:
-            prepare_backend(backend)
-        runner = None
-        if model_runner.decode_cuda_graph_runner is not None:
-            runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
-                                           speculative_num_draft_tokens=width)
-    finally:
-        get_context().override("ddtree.budget_restore", speculative_num_draft_tokens=configured)
-    return backend, runner
-
-
 def verify_runtime(model_runner) -> tuple:
     """The target's current (attention backend, verify-graph runner)."""
     return model_runner.attn_backend, model_runner.decode_cuda_graph_runner
-
-
-def set_verify_runtime(model_runner, runtime: tuple) -> None:
-    """Make the target verify through `runtime` (a pair from build_verify_runtime)."""
-    model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
 
 
 def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:

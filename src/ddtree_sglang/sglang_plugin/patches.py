@@ -1,0 +1,100 @@
+"""What the plugin changes in SGLang's objects, beside the hooks plugin.py registers: the
+drafter's forward wrapper, the target's verify-attention install, the server-argument
+declarations and the per-width verify runtime.  Everything here reads only names the
+contract (contract.py) lists and checks at startup.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ddtree_sglang.sglang_plugin.contract import (NAMES, extend_attention_signature,
+                                                  is_triton_attention, resolve, runtime_spec)
+
+
+def keep_embeds_dtype(model, dtype) -> None:
+    """Make `model.forward` cast its `input_embeds` to `dtype`.
+
+    SGLang 0.5.17's eager extend path (`ModelRunner._extend_forward_kwargs`, taken by batches
+    above the largest captured graph size) turns every `input_embeds` into bfloat16, which an
+    fp16 drafter's first matmul refuses.  The runners call `model.forward` directly (hooks do
+    not fire), so the cast wraps that attribute on this one model instance; it is a no-op when
+    the dtype already matches (the graph path, bf16 models).
+    """
+    inner = model.forward
+
+    @functools.wraps(inner)  # the graph runner inspects the signature for `input_embeds`
+    def forward(*args, **kwargs):
+        embeds = kwargs.get("input_embeds")
+        if embeds is not None and embeds.dtype != dtype:
+            kwargs["input_embeds"] = embeds.to(dtype)
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
+def wrap_verify_attention(backend, wrap) -> None:
+    """Replace the target Triton backend's extend kernel by `wrap(single, merge, signature)`
+    (a tree-verify attention of verify_attention.VARIANTS, which kernel_choice checked
+    against this very kernel).  Must run before the target's CUDA graphs are captured: they
+    record whichever function is called."""
+    if not is_triton_attention(backend):
+        raise RuntimeError(f"the tree verify attention replaces the triton backend's extend "
+                           f"kernel; the target's backend is {type(backend).__name__}")
+    single = getattr(backend, "extend_attention_fwd", None)
+    if single is None:
+        raise RuntimeError("the triton backend has no extend_attention_fwd attribute")
+    backend.extend_attention_fwd = wrap(single, resolve(NAMES["merge_state_triton"]),
+                                        extend_attention_signature())
+
+
+def declare_server_args(server_args, fields: dict) -> None:
+    """Set server arguments from inside SGLang's argument resolution.
+
+    In 0.5.17 defaults filled during `ServerArgs.__post_init__` (the attention backend among
+    them) are declarations applied at its end, so a plain assignment made by a speculative
+    hook is overwritten; a declaration made here comes after SGLang's and wins.  Objects that
+    are not ServerArgs (tests) get the attributes set directly."""
+    if not hasattr(server_args, "_resolved_overrides"):
+        for name, value in fields.items():
+            setattr(server_args, name, value)
+        return
+    from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+    def ddtree_defaults(view) -> dict:
+        return dict(fields)
+
+    run_post_process_pass(server_args, ddtree_defaults)
+
+
+def build_verify_runtime(model_runner, width: int, prepare_backend=None):
+    """(attention backend, verify CUDA-graph runner or None) for target verifies of `width`
+    tokens a request, built as SGLang 0.5.17's EAGLE adaptive speculation builds its per-width
+    states: under a temporary speculative_num_draft_tokens = width, with a fresh workspace.
+    `prepare_backend(backend)` runs before the graphs are captured (they record what it
+    installs)."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.runtime_context import get_context
+
+    configured = runtime_spec().speculative_num_draft_tokens
+    get_context().override("ddtree.budget_capture", speculative_num_draft_tokens=width)
+    try:
+        saved_workspace = model_runner.init_new_workspace
+        try:
+            backend = model_runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            model_runner.init_new_workspace = saved_workspace
+        if prepare_backend is not None:
+            prepare_backend(backend)
+        runner = None
+        if model_runner.decode_cuda_graph_runner is not None:
+            runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
+                                           speculative_num_draft_tokens=width)
+    finally:
+        get_context().override("ddtree.budget_restore", speculative_num_draft_tokens=configured)
+    return backend, runner
+
+
+def set_verify_runtime(model_runner, runtime: tuple) -> None:
+    """Make the target verify through `runtime` (a pair from build_verify_runtime)."""
+    model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime

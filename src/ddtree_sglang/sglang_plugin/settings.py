@@ -1,0 +1,182 @@
+"""Every DDTREE setting in one frozen object: the SGLANG_DDTREE_* environment knobs and what
+the server arguments fix (the tree budget, the draft block).
+
+`DDTreeSettings.from_server_args` is the one place a knob is read and checked: argument
+validation builds it (a bad value stops the server at startup, naming the accepted values),
+and the worker builds it once in its own process from the same arguments and environment.
+Nothing else reads `os.environ`.  `KNOBS` is the table behind it; `check_env` serves the
+benchmark's per-arm environments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ddtree_sglang.budget import candidate_budgets
+
+
+class DDTreeConfigError(ValueError):
+    """A server argument or knob DDTREE cannot run with; the message names the accepted values."""
+
+
+MAX_BUDGET = 1023
+BUDGETS_ENV = "SGLANG_DDTREE_BUDGETS"
+EXPLORE_ENV = "SGLANG_DDTREE_EXPLORE_EVERY"
+MIN_GAIN_ENV = "SGLANG_DDTREE_BUDGET_MIN_GAIN"
+VERIFY_ATTENTION_ENV = "SGLANG_DDTREE_VERIFY_ATTENTION"
+HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
+BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
+TREE_KERNEL_ENV = "SGLANG_DDTREE_TREE_KERNEL"
+CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
+
+
+def parse_budgets(value: str, max_budget: int) -> tuple[int, ...]:
+    """SGLANG_DDTREE_BUDGETS -> the ascending candidate budgets, ending with `max_budget`:
+    "auto" = budget.candidate_budgets(B), "off" = always B, or a comma list (B is added)."""
+    value = value.strip()
+    if value == "auto":
+        return tuple(candidate_budgets(max_budget))
+    if value == "off":
+        return (max_budget,)
+    accepted = (f"accepted: auto (default), off (always B = {max_budget}), or a comma list of "
+                f"budgets in 1..{max_budget} (B = --speculative-num-draft-tokens - 1 is always "
+                "one of them)")
+    try:
+        budgets = sorted({int(x) for x in value.split(",")})
+    except ValueError:
+        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} is not accepted; {accepted}") from None
+    if budgets[0] < 1 or budgets[-1] > max_budget:
+        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} names a budget outside 1..{max_budget};"
+                                f" {accepted}")
+    return tuple(budgets if budgets[-1] == max_budget else budgets + [max_budget])
+
+
+def _choice(name: str, values: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in values:
+            raise DDTreeConfigError(f"{name}={value!r} is not accepted; accepted: "
+                                    f"{', '.join(values)} (default {values[0]})")
+        return value
+    return parse
+
+
+def _explore_every(value: str) -> int:
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = -1
+    if n != 0 and n < 2:
+        raise DDTreeConfigError(f"{EXPLORE_ENV}={value!r} is not accepted; accepted: an integer "
+                                f">= 2 (one step in N per batch size tries the least-measured "
+                                f"budget; default 32) or 0 (never)")
+    return n
+
+
+def _min_gain(value: str) -> float:
+    try:
+        x = float(value.strip())
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x <= 0.5:
+        raise DDTreeConfigError(f"{MIN_GAIN_ENV}={value!r} is not accepted; accepted: a number "
+                                f"in [0, 0.5], the least predicted gain in tokens/ms the "
+                                f"batch-aware budget acts on (default 0.03: 3%; 0: any gain)")
+    return x
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One SGLANG_DDTREE_* environment setting: its default and its parser (raising
+    DDTreeConfigError that names the accepted values)."""
+
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    meaning: str
+
+
+_KNOB_LIST = (
+    Knob(BUDGETS_ENV, "auto", lambda v: parse_budgets(v, MAX_BUDGET),
+         "the batch-aware budget's candidates: auto, off, or a comma list"),
+    Knob(MIN_GAIN_ENV, "0.03", _min_gain,
+         "the least predicted gain the batch-aware budget acts on"),
+    Knob(EXPLORE_ENV, "32", _explore_every,
+         "one step in N per batch size verifies the least-measured candidate (0: never)"),
+    Knob(TREE_KERNEL_ENV, "auto", _choice(TREE_KERNEL_ENV, ("auto", "torch", "triton")),
+         "the tree builder: the fused Triton kernel where it fits (auto), or PyTorch"),
+    Knob(VERIFY_ATTENTION_ENV, "kernel",
+         _choice(VERIFY_ATTENTION_ENV, ("kernel", "single", "split")),
+         "the tree verify attention with the triton backend"),
+    Knob(CUDA_GRAPH_TREE_ENV, "1", _choice(CUDA_GRAPH_TREE_ENV, ("1", "0")),
+         "CUDA graphs for the tree and acceptance stages"),
+    Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
+         "log the host's time per decode step by stage"),
+    Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),
+         "the per-step budget list in each response's meta_info"),
+)
+KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
+
+
+def check_env(name: str, value: str) -> None:
+    """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
+    DDTREE knob setting (a benchmark arm's env: the budget list is checked against 1..1023,
+    the server checks it against its B)."""
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(KNOBS))}")
+    knob.parse(value)
+
+
+@dataclass(frozen=True)
+class DDTreeSettings:
+    """What one DDTREE server runs with (see KNOBS for the knobs' meanings)."""
+
+    budget: int  # B: the largest tree, --speculative-num-draft-tokens - 1
+    block_size: int  # the draft block (the drafter's, or --speculative-dflash-block-size)
+    budgets: tuple[int, ...]  # the batch-aware candidates, ending with B
+    min_gain: float
+    explore_every: int
+    tree_kernel: str
+    verify_attention: str
+    verify_attention_named: bool  # named in the environment (not the default)
+    cuda_graph_tree: bool
+    host_timing: bool
+    budget_trace: bool
+
+    @property
+    def depth(self) -> int:
+        """The tree's depth: the draft block minus its root."""
+        return self.block_size - 1
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens a request verifies at the largest budget: the root and B nodes."""
+        return self.budget + 1
+
+    @classmethod
+    def from_values(cls, budget: int, block_size: int,
+                    environ: Mapping[str, str] | None = None) -> "DDTreeSettings":
+        """The settings for a budget and block, with the knobs of `environ` (default: this
+        process's environment); raises DDTreeConfigError listing every bad knob."""
+        env = os.environ if environ is None else environ
+        errors: list[str] = []
+        values: dict[str, Any] = {}
+        for knob in _KNOB_LIST:
+            raw = env.get(knob.name, knob.default)
+            try:
+                values[knob.name] = (parse_budgets(raw, budget) if knob.name == BUDGETS_ENV
+                                     else knob.parse(raw))
+            except DDTreeConfigError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise DDTreeConfigError("\n  - ".join(errors))
+        return cls(budget=budget, block_size=block_size, budgets=values[BUDGETS_ENV],
+                   min_gain=values[MIN_GAIN_ENV], explore_every=values[EXPLORE_ENV],
+                   tree_kernel=values[TREE_KERNEL_ENV],
+                   verify_attention=values[VERIFY_ATTENTION_ENV],
+                   verify_attention_named=VERIFY_ATTENTION_ENV in env,
+                   cuda_graph_tree=values[CUDA_GRAPH_TREE_ENV] == "1",
+                   host_timing=values[HOST_TIMING_ENV] == "1",
+                   budget_trace=values[BUDGET_TRACE_ENV] == "1")

@@ -1,0 +1,74 @@
+"""The records a DDTREE decode step passes from stage to stage (worker.DDTreeWorker):
+
+    plan -> draft -> build tree -> verify -> sample and accept -> commit
+
+Each stage takes the records before it and returns its own; none reads a tensor back to the
+host.  The tensors' shapes are per step: bs requests, n = budget + 1 verify tokens each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddtree_sglang.decode_step import StepCommit, VerifyLayout
+from ddtree_sglang.penalties import PenaltyParams
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What this step verifies: bs requests, each a tree of `budget` nodes plus its root."""
+
+    bs: int
+    budget: int
+
+    @property
+    def width(self) -> int:
+        return self.budget + 1
+
+
+@dataclass(frozen=True)
+class DraftedTree:
+    """The build-tree stage's output.
+
+    layout: the verify layout of the trees cut to the plan's budget.
+    depth_probs [bs, K, depth]: the drafter's expected acceptance per candidate budget and
+        depth (the batch-aware budget's statistics), None when the budget is pinned.
+    grammar_tree: SGLang's GrammarTree of the layout (first child / next sibling / tokens),
+        its host copy started before the verify launch; None when no request has a grammar.
+    """
+
+    layout: VerifyLayout
+    depth_probs: torch.Tensor | None
+    grammar_tree: Any | None
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The verify stage's output.
+
+    logits_output: the target's LogitsProcessorOutput of the verify pass (hidden states for
+        the draft KV; the logprob fields are filled at commit).
+    logits [bs * n, V]: the target's logits at every node, processed in place by the
+        sample-and-accept stage (grammar mask, penalties, logit adjustments).
+    grammar_mask: SGLang's GrammarMask over every node (built on the host while the verify
+        pass runs), None when no request has a grammar.
+    """
+
+    logits_output: Any
+    logits: torch.Tensor
+    forward_batch: Any
+    can_run_graph: bool
+    grammar_mask: Any | None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The sample-and-accept stage's output: the target's choice at every node [bs, n], what
+    the step commits, and the batch's penalty settings (None: no request uses any)."""
+
+    choice: torch.Tensor
+    commit: StepCommit
+    penalties: PenaltyParams | None
