@@ -291,7 +291,8 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         """The step's batch and budget (host only)."""
         if not isinstance(batch.spec_info, contract.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
-        batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
+        if batch.seq_lens.is_cuda:  # made on the scheduler's stream, used on this one
+            batch.seq_lens.record_stream(torch.cuda.current_stream())
         bs = len(batch.seq_lens)
         self._clock.start(bs)
         # A request that already finished on the GPU can get one more step under overlap

@@ -1,0 +1,297 @@
+"""The DDTREE decode step's stages (sglang_plugin/worker.py) on the CPU, with SGLang fakes:
+each stage's logic against a reference, the grammar traversal over DDTREE's tree, and the
+committed tokens' logprobs."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from ddtree_sglang.decode_step import StepCommit, accept_stage, tree_stage  # noqa: E402
+from ddtree_sglang.graphed import GraphedFunction  # noqa: E402
+from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
+from ddtree_sglang.layout import VerifyLayout  # noqa: E402
+from ddtree_sglang.sglang_plugin import contract, worker as wmod  # noqa: E402
+from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
+from ddtree_sglang.sglang_plugin.host_timing import NoClock  # noqa: E402
+from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
+from ddtree_sglang.sglang_plugin.step_records import (Accepted, DraftedTree,  # noqa: E402
+                                                      StepPlan, Verified)
+from ddtree_sglang.tree import build_draft_tree  # noqa: E402
+
+V, H, BLOCK, B = 40, 8, 4, 8  # vocab, hidden, draft block (depth 3), budget
+ROW = 64  # slots of a request's req_to_token row
+
+
+def make_worker(budget: int = B) -> wmod.DDTreeWorker:
+    """A DDTreeWorker with the state its stages read, built without SGLang's GPU start-up."""
+    w = wmod.DDTreeWorker.__new__(wmod.DDTreeWorker)
+    w.settings = DDTreeSettings.from_values(budget, BLOCK, environ={})
+    w.kernels = Kernels()
+    w.budget, w.verify_width = budget, budget + 1
+    w.block_size, w.depth, w.out_width = BLOCK, BLOCK - 1, BLOCK
+    w.budgets, w._adaptive, w.vocab_size, w.device = [budget], None, V, "cpu"
+    w._clock, w._penalty_state, w._kv_move_buffers = NoClock(), None, False
+    w.ps = SimpleNamespace(tp_rank=0)
+    w._tree_stage = GraphedFunction(w._build_tree_stage, "tree", False)
+    w._accept_stage = GraphedFunction(w._run_accept_stage, "accept", False)
+    gen = torch.Generator().manual_seed(0)
+    lm_head = SimpleNamespace(weight=torch.randn(V, H, generator=gen))
+    w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
+        model=SimpleNamespace(lm_head=lm_head), attn_backend="configured backend",
+        decode_cuda_graph_runner="configured graphs"))
+    w.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
+        req_to_token=torch.zeros(6, ROW, dtype=torch.int32)))
+    return w
+
+
+def plain_request() -> SimpleNamespace:
+    return SimpleNamespace(sampling_params=SimpleNamespace(
+        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0,
+        stop_token_ids=None, sampling_seed=None))
+
+
+def make_batch(bs: int = 2, seq_lens=(5, 9), **fields) -> SimpleNamespace:
+    seq = torch.tensor(seq_lens[:bs], dtype=torch.int64)
+    spec = make_draft_input(torch.tensor([3, 7][:bs]), seq)
+    base = dict(seq_lens=seq, spec_info=spec, has_grammar=False,
+                reqs=[plain_request() for _ in range(bs)], sampling_info=None,
+                req_pool_indices=torch.arange(bs), return_logprob=False,
+                top_logprobs_nums=None, token_ids_logprobs=None)
+    return SimpleNamespace(**{**base, **fields})
+
+
+def drafted(w, batch, plan: StepPlan) -> DraftedTree:
+    hidden = torch.randn(plan.bs, BLOCK, H, generator=torch.Generator().manual_seed(1))
+    return w._build_tree(batch, plan, hidden)
+
+
+def test_plan_clamps_finished_rows_and_takes_the_budget():
+    w = make_worker()
+    batch = make_batch(seq_lens=(5, 60))  # 60 + 9 verify tokens would pass the 64-slot row
+    plan = w._plan(batch)
+    assert plan == StepPlan(bs=2, budget=B) and plan.width == B + 1
+    assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
+    calls = []
+    w._adaptive = SimpleNamespace(choose=lambda bs: 3,
+                                  start_step=lambda bs, b: calls.append((bs, b)))
+    assert w._plan(make_batch()).budget == 3 and calls == [(2, 3)]
+    stale = make_batch()
+    stale.spec_info = object()
+    with pytest.raises(RuntimeError, match="DFlashDraftInputV2"):
+        w._plan(stale)
+
+
+def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
+    w = make_worker()
+    batch = make_batch()
+    hidden = torch.randn(2, BLOCK, H)
+    tree = w._build_tree(batch, StepPlan(2, 5), hidden)
+    logits = hidden[:, 1:] @ w.target_worker.model_runner.model.lm_head.weight.T
+    full = VerifyLayout(*tree_stage(logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3,
+                                    build_draft_tree))
+    assert tree.layout.tree_parents.shape == (2, 6) and tree.grammar_tree is None
+    assert torch.equal(tree.layout.draft_tokens.view(2, 6),
+                       full.draft_tokens.view(2, B + 1)[:, :6])
+    assert tree.depth_probs is None  # a pinned budget gathers no statistics
+    started = []
+    monkeypatch.setattr(contract, "GrammarTree", SimpleNamespace(
+        from_device=lambda **kw: started.append(kw) or "tree copy"))
+    batch.has_grammar = True
+    assert w._build_tree(batch, StepPlan(2, 5), hidden).grammar_tree == "tree copy"
+    assert started[0]["draft_token"].shape == (2, 6)
+    assert torch.equal(started[0]["retrieve_next_token"], tree.layout.retrieve_next_token)
+
+
+def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
+    w = make_worker()
+    runner = w.target_worker.model_runner
+    seen = {}
+
+    def forward(batch, forward_batch, is_verify):
+        seen["runtime"] = (runner.attn_backend, runner.decode_cuda_graph_runner)
+        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=torch.zeros(3, V)))
+
+    runner.forward_batch_generation = forward
+    w.target_worker.forward_batch_generation = forward
+    w._prepare_verify = lambda batch, spec, layout: ("verify batch", True)
+    w._adaptive = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
+    built = []
+
+    def build_mask(**kw):
+        kw["barrier"]()
+        built.append(kw)
+        return "mask"
+
+    monkeypatch.setattr(contract, "build_grammar_vocab_mask", build_mask)
+    tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
+    barrier = []
+    out = w._verify(make_batch(), StepPlan(2, 5), tree, lambda: barrier.append(1))
+    assert seen["runtime"] == ("narrow backend", "narrow graphs")
+    assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
+                                                                      "configured graphs")
+    assert out.grammar_mask == "mask" and out.forward_batch == "verify batch" and barrier == [1]
+    assert built[0]["tree"] == "tree copy"
+
+    def broken(**kw):
+        raise RuntimeError("verify failed")
+
+    w.target_worker.forward_batch_generation = broken
+    with pytest.raises(RuntimeError, match="verify failed"):
+        w._verify(make_batch(), StepPlan(2, 5), tree, None)
+    assert runner.attn_backend == "configured backend"  # restored on failure too
+
+
+class EvenTokens:
+    """A grammar mask allowing even token ids only (SGLang's GrammarMask.apply contract)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits[:, 1::2] = float("-inf")
+
+
+def test_sample_and_accept_masks_every_node_before_choosing():
+    w = make_worker()
+    batch = make_batch()
+    plan = StepPlan(2, B)
+    tree = drafted(w, batch, plan)
+    logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
+    verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
+                        can_run_graph=True, grammar_mask=EvenTokens())
+    acc = w._sample_and_accept(batch, plan, tree, verified)
+    assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar
+    masked = logits.clone()
+    masked[:, 1::2] = float("-inf")
+    assert torch.equal(acc.choice, masked.argmax(-1).view(2, B + 1))
+    lay = tree.layout
+    ref = StepCommit(*accept_stage(lay.draft_tokens.view(2, B + 1), lay.tree_parents,
+                                   lay.tree_depths, acc.choice, 3, BLOCK))
+    for got, want in zip(vars(acc.commit).values(), vars(ref).values()):
+        assert torch.equal(got, want)
+    committed = [acc.commit.tokens[r, :acc.commit.commit_lens[r]] for r in range(2)]
+    assert all((t % 2 == 0).all() for t in committed) and acc.penalties is None
+
+
+def test_sample_and_accept_without_a_grammar_is_the_plain_argmax():
+    w = make_worker()
+    batch = make_batch()
+    plan = StepPlan(2, B)
+    tree = drafted(w, batch, plan)
+    logits = torch.randn(2 * (B + 1), V)
+    verified = Verified(None, logits.clone(), None, True, None)
+    assert torch.equal(w._sample_and_accept(batch, plan, tree, verified).choice,
+                       logits.argmax(-1).view(2, B + 1))
+
+
+def test_grammar_traversal_over_the_tree_sees_each_node_s_own_path():
+    """SGLang's bitmask traversal walks DDTREE's tree through its first-child / next-sibling
+    links: every node's mask is filled with the grammar advanced along exactly that node's
+    path from the root (and rolled back after), so each node's row constrains its own prefix."""
+    from sglang.srt.speculative.spec_utils import generate_token_bitmask
+
+    w = make_worker()
+    batch = make_batch()
+    tree = drafted(w, batch, StepPlan(2, B))
+    lay = tree.layout
+    n = B + 1
+
+    class Recorder:
+        def __init__(self):
+            self.path, self.filled = [], {}
+
+        def allocate_vocab_mask(self, vocab_size, batch_size, device):
+            return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+        def accept_token(self, t):
+            self.path.append(t)
+
+        def rollback(self, k):
+            del self.path[-k:]
+
+        def is_terminated(self):
+            return False
+
+        def fill_vocab_mask(self, mask, idx):
+            self.filled[idx] = list(self.path)
+
+    reqs = [SimpleNamespace(grammar=Recorder()), SimpleNamespace(grammar=None)]
+    generate_token_bitmask(reqs, lay.retrieve_next_token, lay.retrieve_next_sibling,
+                           lay.draft_tokens.view(2, n), V)
+    rec = reqs[0].grammar
+    assert sorted(rec.filled) == list(range(n)) and rec.path == []
+    tokens, parents = lay.draft_tokens.view(2, n)[0].tolist(), lay.tree_parents[0].tolist()
+    for i in range(n):
+        path, j = [], i
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        assert rec.filled[i] == path[::-1], i
+
+
+def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
+    from ddtree_sglang.logprobs import committed_log_probs
+
+    w = make_worker()
+    monkeypatch.setattr(w, "_move_accepted_kv", lambda *a: None)
+    monkeypatch.setattr(w, "_append_committed_features", lambda *a: None)
+    batch = make_batch(return_logprob=True, top_logprobs_nums=[3, 0],
+                       token_ids_logprobs=[None, [1, 2]])
+    plan = StepPlan(2, B)
+    tree = drafted(w, batch, plan)
+    logits = torch.randn(2 * (B + 1), V)
+    out = SimpleNamespace(next_token_logits=logits, hidden_states=None, customized_info=None)
+    verified = Verified(out, logits, "fb", True, None)
+    acc = w._sample_and_accept(batch, plan, tree, verified)
+    published = []
+    result = w._commit(batch, plan, tree, verified, acc, published.append)
+    step = acc.commit
+    assert torch.equal(result.accept_lens, step.commit_lens)
+    assert torch.equal(result.next_token_ids, step.tokens.reshape(-1))
+    assert torch.equal(published[0], batch.seq_lens + step.commit_lens)
+    assert result.speculative_num_draft_tokens == BLOCK
+    assert out.next_token_logprobs.shape == (2, BLOCK)
+    lp = torch.log_softmax(logits, -1)
+    for r in range(2):
+        for j in range(int(step.commit_lens[r])):
+            row = int(step.feature_rows[r, j])
+            assert torch.isclose(out.next_token_logprobs[r, j], lp[row, step.tokens[r, j]])
+    assert len(out.next_token_top_logprobs_val) == 2 * BLOCK
+    first = out.next_token_top_logprobs_val[0]
+    assert torch.allclose(first, lp[int(step.feature_rows[0, 0])].topk(3).values)
+    assert len(out.next_token_top_logprobs_val[BLOCK]) == 0  # the second request asked for 0
+    ids_val = out.next_token_token_ids_logprobs_val[BLOCK]
+    assert torch.allclose(torch.as_tensor(ids_val),
+                          lp[int(step.feature_rows[1, 0])][[1, 2]])
+    # sampling rows: the temperature divides before the softmax (greedy rows: 1)
+    row_lp, token_lp = committed_log_probs(logits, step.feature_rows, step.tokens,
+                                           torch.tensor([[0.5], [1.0]]))
+    assert torch.isclose(token_lp[0, 0], torch.log_softmax(
+        logits[int(step.feature_rows[0, 0])] / 0.5, -1)[step.tokens[0, 0]])
+
+
+def test_grammar_masked_tokens_get_the_lowest_finite_logprob():
+    from ddtree_sglang.logprobs import committed_log_probs
+
+    logits = torch.full((1, 5), float("-inf"))
+    logits[0, 1] = 0.0  # the grammar allows one token
+    row_lp, token_lp = committed_log_probs(logits, torch.tensor([[0, 0]]),
+                                           torch.tensor([[1, 3]]), None)
+    assert token_lp[0, 0] == 0.0 and token_lp[0, 1] == torch.finfo(torch.float32).min
+    assert torch.isfinite(row_lp).all()
+
+
+def test_a_decode_step_runs_its_stages_in_order(monkeypatch):
+    w = make_worker()
+    order = []
+    for name in ("_plan", "_draft", "_build_tree", "_verify", "_sample_and_accept", "_commit"):
+        monkeypatch.setattr(w, name, lambda *a, name=name: order.append(name) or name)
+    batch = make_batch(forward_mode=SimpleNamespace(is_extend=lambda: False,
+                                                    is_idle=lambda: False),
+                       is_extend_in_batch=False)
+    assert w.forward_batch_generation(batch) == "_commit"
+    assert order == ["_plan", "_draft", "_build_tree", "_verify", "_sample_and_accept",
+                     "_commit"]
+    prefill = []
+    monkeypatch.setattr(w, "_prefill", lambda *a: prefill.append(a) or "prefill")
+    batch.is_extend_in_batch = True
+    assert w.forward_batch_generation(batch) == "prefill" and len(prefill) == 1
