@@ -4,6 +4,7 @@
 #   bash scripts/gpu_run.sh micro   # dense-layer GEMMs by rows, tree build by budget, attention tiles (~5 min)
 #   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings, 5 tiles (~5 min)
 #   bash scripts/gpu_run.sh e2e     # real-server checks, 6 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
+#   bash scripts/gpu_run.sh features # grammars, logprobs, mixed batch vs plain SGLang (SECTIONS=...) (~6 min)
 #   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
 #   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
@@ -59,6 +60,8 @@ case "${1:-}" in
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
              --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton,plain_flashinfer}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
+  features) timeout "$LIMIT" python tests/gpu/features.py --out "$OUT/features" ${SECTIONS:+--sections $SECTIONS}
+         mkdir -p "$OUT/features/logs" && mv "$OUT"/features/server_*.log "$OUT/features/logs/" 2>/dev/null; pack "$OUT/features" ;;
   rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;
   bench) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out "$OUT/bench"
@@ -75,7 +78,7 @@ case "${1:-}" in
          pack "$OUT/auto" ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;
-  *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
+  *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|features|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
 esac
 rc=$?
 save_triton_cache
