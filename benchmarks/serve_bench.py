@@ -1,9 +1,5 @@
-"""DDTREE vs DFLASH vs no speculation in the real SGLang server, on one GPU or many.
-
-    python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --dry-run
-    python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out benchmarks/results/h200_testbed
-
-The logic lives in ddtree_sglang.bench.run (installed with the package); see its docstring.
+"""`ddtree-bench` from a checkout without installing the package's entry points (the GPU
+machine's scripts call it so); the same arguments, see `ddtree-bench --help`.
 """
 
 import sys

@@ -19,8 +19,8 @@ kernel both verifies call on Hopper — outside the server, with identical prefi
 and checks that mask-16 gives the same output as chain-16 (the mask is laid out the way the
 backend reads it) and that the split and the kernel give the single masked call's output.
 Each variant is timed as a CUDA graph replay of one call (as the server runs it: no Python or
-launch overhead in the figure), x the layer count.  GPU only; needs SGLang's kernels (source
-scripts/device_env.sh).
+launch overhead in the figure), x the layer count.  GPU only; needs SGLang's kernels (a Python
+that imports SGLang 0.5.17; `source scripts/checkout_env.sh` for the checkout).
 
     python benchmarks/verify_attention.py --out verify_attention.json
 """

@@ -1,38 +1,38 @@
 #!/usr/bin/env bash
-# One device call per phase, from the repository root on the GPU machine (carry .device):
-#   bash scripts/gpu_run.sh tree    # tree-stage benchmark incl. the Triton kernel          (~2 min)
-#   bash scripts/gpu_run.sh micro   # dense-layer GEMMs by rows, tree build by budget, attention tiles (~5 min)
-#   bash scripts/gpu_run.sh kernel  # tree-attention kernel vs float32 on the GPU + verify-attention timings, 5 tiles (~5 min)
-#   bash scripts/gpu_run.sh e2e     # real-server checks, 6 arms started together (ARMS=..., E2E_ARGS=...) (~8 min)
-#   bash scripts/gpu_run.sh features # grammars, logprobs, mixed batch vs plain SGLang (SECTIONS=...) (~6 min)
-#   bash scripts/gpu_run.sh rel     # reliability suite: edges vs plain SGLang, 4 servers     (~8 min)
-#   bash scripts/gpu_run.sh bench   # serving benchmark on the testbed pair                  (~5 min)
-#   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost   # cost mode, Qwen3-8B shapes
-#   ARMS=dflash,ddtree-b15,ddtree-b15-split bash scripts/gpu_run.sh profile  # per-step kernel table, 8B shapes (~6 min)
-#     (CONFIG=configs/h200_profile_wide_qwen3_8b.yaml: B = 32 / 64 / 127 / 128 at batch 1 and 8, host timing)
-#   bash scripts/gpu_run.sh pair    # two replicas on one GPU (multi-replica path)           (~5 min)
-#   CONC=1 GRAPH_BS=4 bash scripts/gpu_run.sh auto   # issue 13's serving run, one slice of
-#     concurrency levels per call, every arm side by side (configs/h200_testbed_auto.yaml)
-# Results are written straight under $OUT (so a run cut short still returns them); server
-# logs are packed into one tarball at the end (at most 8 files come back from $OUT).
+# The GPU checks and benchmarks, one phase per invocation, from the repository root, in a shell
+# whose Python imports torch and SGLang 0.5.17 (scripts/README.md):
+#   bash scripts/gpu_run.sh tree      # tree stage incl. the fused Triton builder             (~2 min)
+#   bash scripts/gpu_run.sh micro     # dense layers by verify rows, tree build, attention tiles (~5 min)
+#   bash scripts/gpu_run.sh kernel    # tree-attention kernel vs float32, verify-attention timings (~5 min)
+#   bash scripts/gpu_run.sh e2e       # real-server checks vs plain SGLang (ARMS=..., E2E_ARGS=...) (~8 min)
+#   bash scripts/gpu_run.sh features  # grammars, logprobs, mixed batch vs plain SGLang (SECTIONS=...) (~6 min)
+#   bash scripts/gpu_run.sh rel       # reliability edges vs plain SGLang, 4 servers          (~8 min)
+#   bash scripts/gpu_run.sh bench     # serving benchmark on the testbed pair                 (~5 min)
+#   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost     # cost mode, Qwen3-8B shapes
+#   ARMS=dflash,ddtree-b15 bash scripts/gpu_run.sh profile          # per-step kernel table, 8B shapes
+#   bash scripts/gpu_run.sh pair      # two replicas on one GPU (multi-replica path)           (~5 min)
+#   CONFIG=configs/testbed_verdict.yaml CONC=16,32,64 bash scripts/gpu_run.sh auto
+#                                     # a serving config, one slice of concurrency levels
+# OUT (default /tmp/out) receives the results; server logs are packed into one tarball per
+# phase.  LIMIT (seconds) bounds a phase; its servers are stopped when it runs out.
 set -uo pipefail
-source scripts/device_env.sh
+source scripts/checkout_env.sh || exit 1
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"
 LIMIT="${LIMIT:-560}"   # seconds; the script stops its servers on SIGTERM
 mkdir -p "$OUT"
 pkill -f sglang.launch_server 2>/dev/null || true   # nothing left from an earlier call
-# Triton kernels compiled by an earlier call (opt-in): with .tcache/triton_cache.tar.xz carried
-# (carry=[".device", ".tcache"]), servers skip most of the 1-1.5 min of kernel compilation a
-# fresh machine spends; SAVE_TRITON_CACHE=1 returns this call's cache (cubins and metadata
-# only) as $OUT/triton_cache.tar.xz.  Triton keys entries by source and target, so a stale
-# archive is only slower, never wrong.
+# Triton kernels compiled by an earlier run (opt-in): with .tcache/triton_cache.tar.xz present,
+# servers skip most of the 1-1.5 min of kernel compilation a fresh machine spends;
+# SAVE_TRITON_CACHE=1 writes this run's cache (cubins and metadata only) to
+# $OUT/triton_cache.tar.xz.  Triton keys entries by source and target, so a stale archive is
+# only slower, never wrong.
 TRITON_CACHE="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 if [ -f .tcache/triton_cache.tar.xz ]; then
     mkdir -p "$TRITON_CACHE" && tar -xJf .tcache/triton_cache.tar.xz -C "$TRITON_CACHE" \
         && echo "triton cache: $(find "$TRITON_CACHE" -name '*.cubin' | wc -l) kernels restored"
 fi
-# FlashInfer compiles its kernels on first use too (about 100 s); its JIT folder travels the same
+# FlashInfer compiles its kernels on first use too (about 100 s); its JIT folder is kept the same
 # way, as .tcache/flashinfer_cache.tar.xz.
 FI_CACHE="$HOME/.cache/flashinfer"
 if [ -f .tcache/flashinfer_cache.tar.xz ]; then

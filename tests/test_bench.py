@@ -139,10 +139,10 @@ def test_config_errors_are_clear(tmp_path):
 
 
 def _error_line(capsys, argv) -> str:
-    """Run serve_bench, expect exit code 2 and exactly one stderr line, return it."""
+    """Run ddtree-bench, expect exit code 2 and exactly one stderr line, return it."""
     assert serve_bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("serve_bench: error: "), err
+    assert len(err) == 1 and err[0].startswith("ddtree-bench: error: "), err
     return err[0]
 
 
@@ -627,3 +627,22 @@ def test_results_are_saved_after_every_level(tmp_path, fake_env):
                                                             for x in r["rows"]]))
     assert saved[0] == [("dflash", 1), ("ddtree-b32", 1)]  # after the first level
     assert saved[-1] == [("dflash", 1), ("dflash", 2), ("ddtree-b32", 1), ("ddtree-b32", 2)]
+
+
+def test_dry_run_and_real_run_refuse_missing_inputs_alike(tmp_path, capsys):
+    cfg = write_config(tmp_path, model_path=str(tmp_path / "no-such-model"))
+    for extra in (["--dry-run"], ["--out", str(tmp_path / "out")]):
+        line = _error_line(capsys, ["--config", str(cfg), *extra])
+        assert "no-such-model not found" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_without_a_usable_gpu_stops_before_starting_servers(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write_config(tmp_path, launcher_module="sglang.launch_server")
+    line = _error_line(capsys, ["--config", str(cfg), "--out", str(tmp_path / "out")])
+    assert "need 1 CUDA GPU(s)" in line and "no usable CUDA GPU" in line
+    assert "nothing was started" in line and not (tmp_path / "out").exists()
+    assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0  # the plan needs no GPU

@@ -1,6 +1,6 @@
 """End-to-end check of DDTREE in the real SGLang HTTP server, on the GPU machine, in one call.
 
-    source scripts/device_env.sh && python tests/gpu/e2e_server.py --out $OUT
+    source scripts/checkout_env.sh && python tests/gpu/e2e_server.py --out $OUT
 
 For each arm (DDTREE, DFLASH, no speculation) on the shipped testbed pair it launches
 `python -m sglang.launch_server`, then checks: /v1/completions and /v1/chat/completions answer;

@@ -2,7 +2,7 @@
 structured output (json_schema, regex, ebnf, tool calls), logprobs, a mixed batch, bad
 grammars, and what a grammar or logprobs cost per step.
 
-    source scripts/device_env.sh && python tests/gpu/features.py --out $OUT
+    source scripts/checkout_env.sh && python tests/gpu/features.py --out $OUT
 
 Servers on the shipped testbed pair, started together: plain SGLang, DDTREE with its defaults,
 DFLASH (the feature table's middle column), all triton, with

@@ -1,6 +1,6 @@
 """DDTREE's exactness at the edges, in real SGLang servers on the GPU machine, in one call.
 
-    source scripts/device_env.sh && python tests/gpu/reliability.py --out $OUT/rel
+    source scripts/checkout_env.sh && python tests/gpu/reliability.py --out $OUT/rel
 
 Five `sglang.launch_server` processes on the shipped testbed pair start together (triton,
 float16, CUDA graphs, strict idle KV-leak checker): `ddtree` (B = 32), `plain` (no

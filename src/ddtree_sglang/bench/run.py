@@ -1,7 +1,8 @@
-"""DDTREE vs DFLASH vs no speculation in the real SGLang server, on one GPU or many.
+"""ddtree-bench: DDTREE vs DFLASH vs no speculation in the real SGLang server, one GPU or many.
 
-    python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out benchmarks/results/h200_testbed
-    python benchmarks/serve_bench.py --config configs/h200_cost_qwen3_8b.yaml --out benchmarks/results/h200_cost
+    ddtree-bench --config configs/h200_testbed.yaml --dry-run
+    ddtree-bench --config configs/h200_testbed.yaml --out results/testbed
+    ddtree-bench --config configs/h200_cost_qwen3_8b.yaml --out results/cost
 
 Every arm runs with the same settings (attention backend, CUDA graphs, page size, overlap,
 memory fraction) as one single-GPU server per entry of `gpus` (CUDA_VISIBLE_DEVICES), requests
@@ -364,12 +365,43 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
     return "\n".join(lines)
 
 
+PROG = "ddtree-bench"
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run(lambda: _main(argv), "serve_bench")
+    return run(lambda: _main(argv), PROG)
+
+
+def missing_inputs(cfg: BenchConfig) -> list[str]:
+    """The model, drafter and prompt paths a run reads that do not exist (cost mode writes its
+    own models)."""
+    if cfg.cost_mode.enabled:
+        return []
+    needed = [cfg.model_path, *([cfg.draft_model_path] if any(a.algorithm for a in cfg.arms)
+                                else []),
+              *([cfg.prompts.source] if cfg.prompts.source.endswith(".jsonl") else [])]
+    return [p for p in needed if not Path(_abs(p)).exists()]
+
+
+def gpu_problem(cfg: BenchConfig) -> str | None:
+    """Why the servers could not run here (no CUDA GPU, or fewer GPUs than `gpus` names), or
+    None.  Only for SGLang itself: a stand-in launcher (tests) needs no GPU."""
+    if cfg.launcher_module != "sglang.launch_server":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    needed = max(cfg.gpus[:1] if cfg.cost_mode.enabled else cfg.gpus) + 1
+    if count >= needed:
+        return None
+    return (f"the config's servers need {needed} CUDA GPU(s) (gpus: {cfg.gpus}); this machine "
+            f"has {count}" + ("" if count else " (no usable CUDA GPU)"))
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = Parser(prog="serve_bench", description=__doc__,
+    ap = Parser(prog=PROG, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="configs/*.yaml")
     ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")
@@ -408,6 +440,10 @@ def _main(argv: list[str] | None) -> int:
         raise CliError(str(exc)) from None
     except ValidationError as exc:
         raise CliError(f"after the command-line overrides: {describe_errors(exc)}") from None
+    absent = missing_inputs(cfg)
+    if absent and not args.report_only:
+        raise CliError(f"{', '.join(absent)} not found (relative paths are read from "
+                       f"{Path.cwd()}); run from the repository root or use absolute paths")
     if args.dry_run:
         print(plan(cfg, keep))
         return 0
@@ -420,17 +456,12 @@ def _main(argv: list[str] | None) -> int:
     if missing:
         raise CliError(f"--report-only reads results.json from --out and each --merge-from "
                      f"folder; missing: {', '.join(missing)}")
-    if not args.report_only and not cfg.cost_mode.enabled:
-        needed = [cfg.model_path, *([cfg.draft_model_path] if any(a.algorithm for a in cfg.arms)
-                                    else []),
-                  *([cfg.prompts.source] if cfg.prompts.source.endswith(".jsonl") else [])]
-        absent = [p for p in needed if not Path(_abs(p)).exists()]
-        if absent:
-            raise CliError(f"{', '.join(absent)} not found (relative paths are read from "
-                         f"{Path.cwd()}); run from the repository root or use absolute paths")
+    why = None if args.report_only else gpu_problem(cfg)
+    if why:
+        raise CliError(f"{why}; nothing was started (--dry-run shows the plan on any machine)")
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
-    command = "python benchmarks/serve_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
         for d in args.merge_from:
