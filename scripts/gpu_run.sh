@@ -72,7 +72,7 @@ case "${1:-}" in
   profile) timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_profile_qwen3_8b.yaml} \
              --out "$OUT/profile" ${ARMS:+--arms $ARMS}
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;
-  auto)  timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_testbed_auto.yaml} \
+  auto)  timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/testbed_verdict.yaml} \
              --out "$OUT/auto" ${ARMS:+--arms $ARMS} ${CONC:+--concurrency $CONC} \
              ${GRAPH_BS:+--cuda-graph-max-bs $GRAPH_BS}
          pack "$OUT/auto" ;;

@@ -364,8 +364,11 @@ def test_cost_mode_arm_filter_is_checked(tmp_path):
     assert serve_bench.main(["--config", str(cfg), "--out", str(tmp_path),
                              "--arms", "ddtree-b7"]) == 2
     names = [a.name for a in serve_bench.cost_arms(load_config(cfg))]
-    assert names == ["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64",
-                     "ddtree-b128", "ddtree-b256"]
+    assert names == ["no-spec", "dflash", "ddtree-b15", "ddtree-b31", "ddtree-b63",
+                     "ddtree-b127", "ddtree-b255"]
+    verdict = serve_bench.cost_arms(load_config(ROOT / "configs" / "cost_verdict_qwen3_8b.yaml"))
+    assert [(a.name, a.attention_backend) for a in verdict[:3]] == [
+        ("no-spec", None), ("dflash", None), ("dflash-flashinfer", "flashinfer")]
 
 
 def test_arm_environment_is_checked_and_reaches_the_server():
@@ -389,15 +392,15 @@ def test_arm_environment_is_checked_and_reaches_the_server():
     kernel = load_config(ROOT / "configs" / "h200_cost_kernel_qwen3_8b.yaml")
     assert [(a.name, a.budget, a.env) for a in serve_bench.cost_arms(kernel)][2:] == [
         ("ddtree-b15-kernel", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
-        ("ddtree-b32-kernel", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
+        ("ddtree-b31-kernel", 31, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
         ("ddtree-b15-single", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
-        ("ddtree-b32-single", 32, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"})]
+        ("ddtree-b31-single", 31, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"})]
 
 
 def test_cost_mode_env_reaches_every_ddtree_arm():
     cfg = load_config(ROOT / "configs" / "h200_cost_tree_kernel_wide_qwen3_8b.yaml")
     arms = {a.name: a for a in serve_bench.cost_arms(cfg)}
-    assert arms["ddtree-b128"].env == {"SGLANG_DDTREE_TREE_KERNEL": "triton"}
+    assert arms["ddtree-b127"].env == {"SGLANG_DDTREE_TREE_KERNEL": "triton"}
     assert arms["dflash"].env == {} and arms["no-spec"].env == {}
     from ddtree_sglang.bench.config import CostMode
 

@@ -204,8 +204,8 @@ class LiveStepCosts(StepCosts):
     gaps), so budgets not chosen yet stay comparable; a row without live steps yet takes the
     remainder of the nearest batch size that has one.  The first `skip_first` live steps of
     each cell are not counted and the rest enter medians, because first steps pay one-time work
-    (H200 runs showed 17-81 ms where steady steps take a few, and once 107 s: a step that
-    waited on host work while six other servers were starting).
+    (17-81 ms where steady steps take a few, and once minutes: a step that waited on host work
+    while other servers on the GPU were starting).
     The startup verify times come from the graphs' capture-time (short) contexts, so only live
     cells see how attention grows with the context; `least_sampled` tells an engine which
     budget to try now and then (AdaptiveBudget explores)."""

@@ -4,7 +4,7 @@ interleaved order that compares arms within a few percent.
 A cell is `repeats` measurements; each keeps `conc` requests in flight per replica until
 `min_cell_seconds` or `min_cell_requests` is reached (one round of requests where neither is
 set).  Measured one arm after another, a machine that drifts (another tenant, clocks, a host
-that gets slower for minutes: repeats of one cell spread 3-24% on the H100 of 2026-12-05)
+that gets slower for minutes: repeats of one cell have spread by up to a quarter)
 lands on whichever arm runs then, which a 3% bar cannot survive.  Interleaved, round r
 measures every arm once (starting at arm r mod n), so drift falls on every arm alike and each
 round is a paired comparison of the arms (`rounds_tok_s`, in round order).

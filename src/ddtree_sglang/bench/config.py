@@ -95,6 +95,9 @@ class CostMode(_Strict):
     single_attention_budgets: list[int] = Field([], description="budgets also measured with "
                                                 "SGLang's single masked verify call (arm "
                                                 "ddtree-b<B>-single; the default is the kernel)")
+    dflash_attention_backends: list[Literal["triton", "flashinfer"]] = Field(
+        [], description="DFLASH also measured on these attention backends (arm "
+        "dflash-<backend>); the projection takes the fastest DFLASH per batch size")
     repeats: int = Field(1, ge=1, description="measure each (arm, batch) cell this many times; "
                          "the table shows the median and every run (one cell moved 8.5% between "
                          "two device calls, more than the 3% the overhead goal asks about)")

@@ -6,6 +6,8 @@ and published accept lengths per budget.  Nothing here is a measurement of accep
 output is labelled a projection.  Throughput of an arm at batch size s = s x tau / step_ms.
 Several cost runs (each device call measures its own DFLASH) are joined by their ratios: a
 DDTREE step is taken as (its step / its own call's DFLASH step) x the first call's DFLASH step.
+Where a call measured DFLASH on several attention backends, its fastest per batch size is the
+baseline (`dflash` in the joined table, the arm it came from in `dflash_arm`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree_sglang.bench.cost_mode import fastest_chain
 from ddtree_sglang.budget import choose_budget
 
 # The paper's budget curve (MATH-500, Qwen3-8B, T = 0; read from its plot) and its DFlash chain.
@@ -49,12 +52,14 @@ def join_cost_runs(runs: list[list[dict]], variants: list[str] | None = None) ->
     reference: dict[int, float] = {}
     rows, seen = [], set()
     for cost_rows in runs:
-        chain = {r["batch_size"]: r["step_ms"] for r in cost_rows
-                 if r["arm"] == "dflash" and r.get("step_ms")}
+        fastest = fastest_chain([{**r, "algorithm": r.get("algorithm") or (
+            "DFLASH" if r["arm"].startswith("dflash") else None)} for r in cost_rows])
+        chain = {bs: r["step_ms"] for bs, r in fastest.items()}
         for bs, ms in chain.items():
             if bs not in reference:
                 reference[bs] = ms
-                rows.append(dict(arm="dflash", batch_size=bs, step_ms=ms))
+                rows.append(dict(arm="dflash", batch_size=bs, step_ms=ms,
+                                 dflash_arm=fastest[bs]["arm"]))
         for r in cost_rows:
             match = pattern.fullmatch(r["arm"])
             bs = r["batch_size"]
@@ -70,6 +75,8 @@ def project(cost_rows: list[dict], tau: dict[int, float] | None = None,
     """One row per batch size: the chosen budget, its projected tokens/ms, DFLASH's, the ratio.
     `tau`: accept length per budget (default: `paper_tau` for every measured budget)."""
     step = {(r["arm"], r["batch_size"]): r["step_ms"] for r in cost_rows if r.get("step_ms")}
+    baseline = {r["batch_size"]: r.get("dflash_arm", "dflash") for r in cost_rows
+                if r["arm"] == "dflash"}
     measured = {int(a[len("ddtree-b"):]) for a, _ in step if re.fullmatch(r"ddtree-b\d+", a)}
     tau = tau or {b: t for b in measured if (t := paper_tau(b)) is not None}
     rows = []
@@ -86,7 +93,7 @@ def project(cost_rows: list[dict], tau: dict[int, float] | None = None,
         dflash = bs * chain_tau / chain
         rows.append(dict(batch_size=bs, chosen_budget=budgets[i],
                          ddtree_tokens_per_ms=round(ddtree, 3),
-                         dflash_tokens_per_ms=round(dflash, 3),
+                         dflash_tokens_per_ms=round(dflash, 3), dflash_arm=baseline[bs],
                          projected_ratio=round(ddtree / dflash, 3), per_budget=per_b,
                          tau={b: tau[b] for b in budgets}))
     return rows
@@ -107,12 +114,13 @@ def markdown(rows: list[dict], source: str) -> str:
              "(`ddtree_sglang.budget.choose_budget`) takes the budget with the most committed "
              "tokens per ms among the budgets measured at that batch size.", "",
              "| batch | chosen B | projected DDTREE / DFLASH | " +
-             " | ".join(f"B={b} tok/ms" for b in budgets) + " | DFLASH tok/ms |",
-             "|---" * (4 + len(budgets)) + "|"]
+             " | ".join(f"B={b} tok/ms" for b in budgets) + " | DFLASH tok/ms | DFLASH arm |",
+             "|---" * (5 + len(budgets)) + "|"]
     for r in rows:
         cells = [str(r["per_budget"].get(b, "")) for b in budgets]
         lines.append(f"| {r['batch_size']} | {r['chosen_budget']} | **{r['projected_ratio']}** | "
-                     + " | ".join(cells) + f" | {r['dflash_tokens_per_ms']} |")
+                     + " | ".join(cells) + f" | {r['dflash_tokens_per_ms']} | "
+                     f"{r.get('dflash_arm', 'dflash')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -204,7 +204,10 @@ requests_for = cells.requests_for
 
 def cost_arms(cfg: BenchConfig) -> list[Arm]:
     env = cfg.cost_mode.env
-    return [Arm(name="no-spec"), Arm(name="dflash", algorithm="DFLASH")] + [
+    dflash = [Arm(name="dflash", algorithm="DFLASH")] + [
+        Arm(name=f"dflash-{b}", algorithm="DFLASH", attention_backend=b)
+        for b in cfg.cost_mode.dflash_attention_backends if b != cfg.attention_backend]
+    return [Arm(name="no-spec"), *dflash] + [
         Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b, env=env)
         for b in cfg.cost_mode.budgets] + [
         Arm(name=f"ddtree-b{b}-{variant}", algorithm="DDTREE", budget=b,

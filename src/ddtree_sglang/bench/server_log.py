@@ -32,8 +32,8 @@ def full_load_decode(text: str, running: int) -> dict | None:
     """Medians over the lines with exactly `running` requests in flight (the full load of a
     measurement): lines, server tokens/s, accept length, step period; None without any.
     Also the step period's 10th percentile: on a host-bound server the period moves with the
-    host (the H100 testbed's fixed arms at batch 16 went 6.6-13 ms from line to line within
-    one cell, 2026-12-05) while its quiet floor is what the step itself costs."""
+    host (a host-bound testbed server's period can double from line to line within one cell)
+    while its quiet floor is what the step itself costs."""
     rows = [(a, t) for n, a, t in decode_lines(text) if n == running and t > 0]
     if not rows:
         return None

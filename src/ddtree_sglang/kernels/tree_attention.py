@@ -2,9 +2,9 @@
 (flash-decoding), then the tree block under its mask, merged in one online softmax.
 
 Why: SGLang's Triton extend kernel runs one program per (request, head, 64 queries) and walks
-the whole prefix serially, so a verify of one request on an H200 keeps 32 of 132 SMs busy:
-in the server, attention took 2.0 ms of an 8 ms Qwen3-8B step at batch 1 and 3.5 of 10.2 ms at
-batch 8 (profile run 3), for a prefix that is read at a fraction of the memory bandwidth.  Here
+the whole prefix serially, so a verify of one request keeps a fraction of a large GPU's SMs
+busy (32 of 132 on a Hopper) and reads its prefix at a fraction of the memory bandwidth; at
+small batches attention is a large share of a Qwen3-8B verify step.  Here
 
   stage 1 (prefix): one program per (request, KV head, block of query rows, prefix split); the
     rows of a block are queries x the query heads sharing that KV head (GQA), so each prefix
@@ -35,14 +35,14 @@ import triton.language as tl
 # more at 64 rows; 128-row blocks halve that at the price of registers.  Compiled for sm_90, a
 # 64x64 tile uses all 255 registers and spills ~1.2 KB per thread in the fused launch (ptxas -v,
 # benchmarks/results/tree_attention_registers.md); 32-key steps spill almost nothing.
-# `default_tile` is what benchmarks/verify_attention.py measured fastest on the H200.
+# `default_tile` is what benchmarks/verify_attention.py measured fastest.
 WARPS = {64: 4, 128: 8}
 BLOCK_NS = (32, 64)
 # Pointer types of a bf16 verify, for ahead-of-time compilation (kernels/aot.py)
 AOT_POINTERS = {**{n: "*bf16" for n in ("Q", "K_buf", "V_buf", "K_ext", "V_ext", "O")},
                 **{n: "*i64" for n in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_indices")},
                 "Mask": "*i1", "O_part": "*fp32", "L_part": "*fp32"}
-WAVES = 2  # the split count aims at two waves of the GPU's SMs (264 programs on an H200)
+WAVES = 2  # the split count aims at two waves of the GPU's SMs (264 programs on 132 SMs)
 
 
 @triton.jit
@@ -195,8 +195,8 @@ def _tree_merge_kernel(Q, K_ext, V_ext, O, qo_indptr, kv_indptr, Mask, mask_indp
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    """The device's streaming multiprocessors (132 on an H200, 188 on an RTX Pro 6000); host
-    properties, no device read.  132 where there is no CUDA device (the interpreter)."""
+    """The device's streaming multiprocessors (from its properties, no device read); 132
+    where there is no CUDA device (the interpreter)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -214,12 +214,11 @@ def default_tile(batch_size: int, rows_per_kv_head: int) -> tuple[int, int]:
     """(block_m, block_n) for a verify of `batch_size` requests whose tree has
     `rows_per_kv_head` query rows per KV head (tree tokens x grouped heads).
 
-    Measured on an H200 (benchmarks/results/h200_micro_2026-12-04: Qwen3-8B heads, prefixes of
-    512 and 1,024, batch 1 / 8 / 64, trees of 16 / 17 / 33 tokens): 32-key steps beat 64-key
-    ones in 17 of 18 cells (by up to 36% at batch 64); a tree of 65-128 rows (17-32 tokens)
-    read by one 128-row block instead of two 64-row ones is faster from batch 8 on (the prefix
-    is read once), slower at batch 1 (half the programs).  Trees of 29-32 tokens were not timed:
-    the 128-row rule is interpolated from 17."""
+    From the tile benchmark (benchmarks/verify_attention.py; Qwen3-8B heads, prefixes of 512
+    and 1,024, batch 1 / 8 / 64): 32-key steps beat 64-key ones almost everywhere; a tree of
+    65-128 rows (17-32 tokens) read by one 128-row block instead of two 64-row ones is faster
+    from batch 8 on (the prefix is read once), slower at batch 1 (half the programs).  Trees of
+    29-32 tokens were not timed: the 128-row rule is interpolated from 17."""
     block_m = 128 if 64 < rows_per_kv_head <= 128 and batch_size >= 8 else 64
     return block_m, 32
 

@@ -1,9 +1,8 @@
 """Host time of each decode step, by stage (SGLANG_DDTREE_HOST_TIMING=1): does the host keep
 the GPU waiting?
 
-At batch 1 a DDTREE step with B = 32 kept an H200 busy 0.33 ms less than a DFLASH step but took
-only 0.13 ms less (cost run 7, 2026-12-04): about 0.23 ms a step in which the GPU waited for
-the host.  With overlap scheduling the GPU waits only when the host's work for a step (the
+A step's GPU time and its wall time can differ: the GPU may wait for the host to launch the
+next kernels.  With overlap scheduling the GPU waits only when the host's work for a step (the
 scheduler's share between steps plus the worker's launches) takes longer than the GPU's.  This
 clock reads the host's wall time alone (no device synchronisation, nothing changes on the GPU
 side) and logs the mean per stage every `every` steps, beside the mean time between the end of

@@ -1,10 +1,10 @@
 """Tree verify attention as two partial attentions: the prefix without a mask, the tree with one.
 
 SGLang's Triton extend kernel has one variant for a custom (tree) mask.  Although it skips the
-mask on the cached prefix, that variant's prefix loop is 15-26% slower than the causal one at
-batch 64, Qwen3-8B shapes, for the very same chain (benchmarks/verify_attention.py, H200,
-2026-12-03): +3.7 ms of a 59 ms DDTREE step.  A verify query sees its whole prefix, so
-attention splits exactly into
+mask on the cached prefix, that variant's prefix loop is slower than the causal one for the
+very same chain under load (benchmarks/verify_attention.py measures both; the numbers are in
+benchmarks/results/).  A verify query sees its whole prefix, so attention splits exactly
+into
 
     prefix part: the mask-free variant over the cached prefix only (skip_extend), and
     tree part:   the masked variant over the <= B + 1 tree tokens only (skip_prefix),
@@ -16,11 +16,10 @@ up to float rounding; the worker compares the two on its GPU at startup and keep
 call if they differ.  Calls that are not a tree verify (no mask, a windowed or masked prefix,
 sinks, score mods, an LSE already asked for) go to the single kernel unchanged.
 
-The split pays two launches and a merge per layer, which small batches feel: outside the server
-(same benchmark, run 3) it cost 6.3-7.6 ms per 36-layer verify at batch 1 and 8 against 4.1-6.8
-for the single masked call, and saved 3-10 ms at batch 64 (21.9 vs 25.0 ms at prefix 512, 38.4
-vs 48.4 at 1,024; faster than even the causal chain there).  So only verifies of at least
-SPLIT_MIN_REQUESTS requests are split (a batch size's graph records one or the other).
+The split pays two launches and a merge per layer, which small batches feel (slower than the
+single masked call at batch 1 and 8, faster at batch 64 in the same benchmark), so only
+verifies of at least SPLIT_MIN_REQUESTS requests are split (a batch size's graph records one or
+the other).
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from typing import Callable
 
 import torch
 
-# The smallest verify batch that is split: between the measured batch 8 (the split slower) and 64
-# (faster); 16 and 32 were not measured, so the cut is an interpolation.
+# The smallest verify batch that is split: between batch 8 (the split slower) and 64 (faster);
+# the sizes in between were not measured, so the cut is an interpolation.
 SPLIT_MIN_REQUESTS = 32
 
 # Keyword values under which the split is exact (anything else: the single call).
