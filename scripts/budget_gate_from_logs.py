@@ -3,7 +3,7 @@ size of a recorded serving run, from its server logs alone (no GPU needed).
 
     python scripts/budget_gate_from_logs.py benchmarks/results/h100_testbed_auto_2026-12-05/call3
 
-Reads logs.tgz (or logs/) of a `serve_bench` run: the startup verify times that a batch-aware
+Reads logs.tgz (or logs/) of a `ddtree-bench` run: the startup verify times that a batch-aware
 server logged ("verify ms at startup by batch size"), and the step period of a fixed-budget
 server at the same maximum, per batch size, from SGLang's decode log (running requests x
 accept length / generation throughput; a median over the log's lines).  Prints, per batch

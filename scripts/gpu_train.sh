@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train several testbed candidates side by side in one device call (the models are tiny, so
+# Train several testbed candidates side by side in one run (the models are tiny, so
 # one GPU runs them together), sharing one tokenizer and token cache so they are comparable:
 #
 #   VARIANTS="a:--target-layers 4 --draft-layers 1 --taps 1,2;b:--target-layers 3 --draft-layers 2 --taps 0,1" \

@@ -169,6 +169,9 @@ def _main(argv: list[str] | None) -> int:
     console.print("[bold]prompt:[/bold]", first.get("prompt") or first["messages"][-1]["content"],
                   markup=True)
     console.print(f"[bold]DDTree output:[/bold] {tb.tokenizer.decode(sample[modes[2][0]])}")
+    console.print("(The testbed target has 2.7 M parameters, trained only so that drafts are "
+                  "accepted as often as with a real model: its text is not meant to make sense. "
+                  "What matters is that DDTree's tokens are the target's own.)")
     same = sample[modes[2][0]] == sample[modes[0][0]]
     if args.temperature == 0:
         console.print(f"DDTree output identical to autoregressive greedy: {same}")
