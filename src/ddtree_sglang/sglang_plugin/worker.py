@@ -118,19 +118,13 @@ class DDTreeWorker(contract.DFlashWorkerV2):
                         self.kernels.describe(), checks_s)
 
     def _choose_kernels(self, target_worker, gpu_id: int) -> Kernels:
-        """Every kernel of the step checked once on this GPU (kernel_choice.py).  The verify
-        attention variants replace the triton backend's extend kernel only (the default
-        applies there alone; a variant named for another backend is dropped, with why)."""
+        """Every kernel of the step checked once on this GPU (kernel_choice.py); the verify
+        attention variant is compared here with SGLang's own extend kernel and installed by
+        init_attention_backends where the target's backend is triton."""
         s = self.settings
         runner = target_worker.model_runner
         device = torch.device("cuda", gpu_id) if torch.cuda.is_available() else "cpu"
         dtype = runner.model.lm_head.weight.dtype
-        variant, backend_refusal = s.verify_attention, None
-        if variant != "single" and not contract.is_triton_attention(runner.attn_backend):
-            if s.verify_attention_named:
-                backend_refusal = (f"the target's attention backend is "
-                                   f"{type(runner.attn_backend).__name__}, not triton")
-            variant = "single"
 
         def check_verify(name: str) -> str | None:
             return check_verify_attention(contract.extend_attention_fwd,
@@ -138,24 +132,29 @@ class DDTreeWorker(contract.DFlashWorkerV2):
                                           contract.extend_attention_signature(), device, dtype,
                                           make=VARIANTS[name])
 
-        kernels = choose_kernels(tree_kernel=s.tree_kernel, budget=s.budget, depth=s.depth,
-                                 vocab=int(runner.model_config.vocab_size),
-                                 out_width=s.block_size, device=device, dtype=dtype,
-                                 verify_attention=variant, check_verify_attention=check_verify)
-        if backend_refusal is not None:
-            kernels = replace(kernels, dropped=kernels.dropped + (
-                (f"{s.verify_attention} verify attention", backend_refusal),))
-        return kernels
+        return choose_kernels(tree_kernel=s.tree_kernel, budget=s.budget, depth=s.depth,
+                              vocab=int(runner.model_config.vocab_size), out_width=s.block_size,
+                              device=device, dtype=dtype, verify_attention=s.verify_attention,
+                              check_verify_attention=check_verify)
 
     def init_attention_backends(self):
         """After SGLang made the target's attention backend (it runs first) and before any
-        graph is captured: install the tree-verify attention the kernel choice kept."""
+        graph is captured: install the tree-verify attention the kernel choice kept.  It
+        replaces the triton backend's extend kernel only: the default applies there alone,
+        and a variant named for another backend is dropped, with why."""
         super().init_attention_backends()
         variant = self.kernels.verify_attention
+        backend = self.target_worker.model_runner.attn_backend
+        if variant != "single" and not contract.is_triton_attention(backend):
+            dropped = self.kernels.dropped
+            if self.settings.verify_attention_named:
+                dropped += ((f"{variant} verify attention", f"the target's attention backend "
+                             f"is {type(backend).__name__}, not triton"),)
+            self.kernels = replace(self.kernels, verify_attention="single", dropped=dropped)
+            return
         if variant == "single":
             return
-        patches.wrap_verify_attention(self.target_worker.model_runner.attn_backend,
-                                      VARIANTS[variant])
+        patches.wrap_verify_attention(backend, VARIANTS[variant])
         if self.ps.tp_rank == 0:
             logger.info("DDTREE verify attention: %s", "split from %d requests a verify "
                         "(mask-free prefix + masked tree, merged by log-sum-exp)"
