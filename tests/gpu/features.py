@@ -68,7 +68,12 @@ def pool_map(fn, items, workers: int = 64) -> list:
 
 
 def generate(url: str, ids: list[int], sampling: dict, **extra) -> dict:
-    return post_json(url + "/generate", {"input_ids": ids, "sampling_params": sampling, **extra})
+    """One /generate request; a dropped connection (a server that died) is an error row."""
+    try:
+        return post_json(url + "/generate", {"input_ids": ids, "sampling_params": sampling,
+                                             **extra})
+    except OSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def valid_json(text: str) -> bool:
@@ -262,8 +267,7 @@ def openai_logprobs(url: str, plain_url: str, text: str) -> dict:
 
     def chat_lps(r):
         content = ((r.get("choices") or [{}])[0].get("logprobs") or {}).get("content") or []
-        return [(c["token"], round(c["logprob"], 2), len(c.get("top_logprobs") or []))
-                for c in content]
+        return [(c["token"], c["logprob"], len(c.get("top_logprobs") or [])) for c in content]
 
     a = post_json(url + "/v1/chat/completions", chat)
     b = post_json(plain_url + "/v1/chat/completions", chat)
@@ -273,15 +277,23 @@ def openai_logprobs(url: str, plain_url: str, text: str) -> dict:
 
     def comp_lps(r):
         lp = (r.get("choices") or [{}])[0].get("logprobs") or {}
-        return [round(x, 2) for x in lp.get("token_logprobs") or []], \
-            [len(t) for t in lp.get("top_logprobs") or []]
+        return list(zip(lp.get("tokens") or [], lp.get("token_logprobs") or [],
+                        [len(t or {}) for t in lp.get("top_logprobs") or []]))
 
-    return dict(chat_tokens=len(chat_lps(a)), chat_equal_to_plain=chat_lps(a) == chat_lps(b),
+    def close(x: list, y: list) -> bool:
+        """Same tokens and top-k sizes, logprobs within 0.02 (bf16 / fp16 kernels)."""
+        return len(x) == len(y) and all(
+            t == u and k == m and abs(p - q) <= 0.02 for (t, p, k), (u, q, m) in zip(x, y))
+
+    return dict(chat_tokens=len(chat_lps(a)), chat_close_to_plain=close(chat_lps(a), chat_lps(b)),
                 chat_top5_everywhere=all(k == 5 for _, _, k in chat_lps(a)),
-                stream_equal_to_non_stream=stream == chat_lps(a),
-                completions_equal_to_plain=comp_lps(ca) == comp_lps(cb),
-                completions_tokens=len(comp_lps(ca)[0]),
-                errors=[x["error"] for x in (a, ca) if "error" in x])
+                stream_close_to_non_stream=close(stream, chat_lps(a)),
+                completions_close_to_plain=close(comp_lps(ca), comp_lps(cb)),
+                completions_tokens=len(comp_lps(ca)),
+                chat_first=chat_lps(a)[:4], chat_plain_first=chat_lps(b)[:4],
+                stream_first=stream[:4], completions_first=comp_lps(ca)[:4],
+                completions_plain_first=comp_lps(cb)[:4],
+                errors=[x["error"] for x in (a, b, ca, cb) if "error" in x])
 
 
 def stream_chat(url: str, body: dict) -> list:
@@ -299,8 +311,7 @@ def stream_chat(url: str, body: dict) -> list:
             chunk = json.loads(line[6:])
             for ch in chunk.get("choices") or []:
                 for c in (ch.get("logprobs") or {}).get("content") or []:
-                    got.append((c["token"], round(c["logprob"], 2),
-                                len(c.get("top_logprobs") or [])))
+                    got.append((c["token"], c["logprob"], len(c.get("top_logprobs") or [])))
     return got
 
 
@@ -337,8 +348,11 @@ def mixed_batch(url: str, prompts: list, model) -> dict:
         elif kind != "seeded":  # greedy kinds: where they split, re-scored
             d = first_divergences(model, [prompts[i % len(prompts)]], [a or []], [b or []])
             row["differ"].append(d[0]["gap"] if d else "empty")
-        else:
-            row["differ"].append("seeded sample differs")
+        else:  # SGLang samples the first token in its prefill, seeded only with
+            # --enable-deterministic-inference: the rest is DDTREE's, seeded per position
+            same_first = bool(a and b and a[0] == b[0])
+            row["differ"].append("differs after the same first token" if same_first
+                                 else "the unseeded first (prefill) token differs")
     post_json(url + "/flush_cache", {})
     time.sleep(3)
     load = get_json(url + "/get_load")
@@ -449,7 +463,9 @@ def main() -> None:
              "dflash": ServerSpec(target, "dflash", "DFLASH", drafter, extra_args=extra)}
     servers = {}
     for name, spec in specs.items():
-        spec.max_total_tokens, spec.sleep_on_idle, spec.cuda_graph_max_bs = 200_000, True, 32
+        # graphs up to 64: DFLASH's eager path hands the fp16 testbed drafter bf16 embeddings
+        # in SGLang 0.5.17 and fails above the largest captured batch
+        spec.max_total_tokens, spec.sleep_on_idle, spec.cuda_graph_max_bs = 200_000, True, 64
         spec.max_running_requests = 64
         servers[name] = Server(spec, args.out / f"server_{name}.log",
                                env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
