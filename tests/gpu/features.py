@@ -115,7 +115,6 @@ def grammar_checks(urls: dict, prompts: list, texts: list, model) -> dict:
                 row.update(compare_ids(model, prompts, ids,
                                        [r.get("output_ids") or [] for r in runs["plain"]]))
             out[kind][arm] = row
-    out["tool_call"] = tool_calls(urls, texts)
     return out
 
 
@@ -130,9 +129,17 @@ def tool_calls(urls: dict, texts: list) -> dict:
             "temperature": 0, "max_tokens": 96})
 
     def calls(r):
+        """The tool calls: message.tool_calls with a tool-call parser; without one SGLang
+        0.5.17 returns the constrained JSON array [{name, parameters}] as the content."""
         msg = ((r.get("choices") or [{}])[0]).get("message") or {}
-        return [(c["function"]["name"], c["function"]["arguments"])
-                for c in msg.get("tool_calls") or []]
+        if msg.get("tool_calls"):
+            return [(c["function"]["name"], c["function"]["arguments"])
+                    for c in msg["tool_calls"]]
+        try:
+            return [(c["name"], json.dumps(c["parameters"]))
+                    for c in json.loads(msg.get("content") or "")]
+        except (ValueError, TypeError, KeyError):
+            return []
 
     def valid(call_list):
         import jsonschema
@@ -436,7 +443,8 @@ def feature_probe(url: str, prompt: list[int], text: str) -> dict:
         "model": "x", "messages": [{"role": "user", "content": text}], "tools": [TOOL],
         "tool_choice": "required", "max_tokens": 64, "temperature": 0})
     msg = ((t.get("choices") or [{}])[0]).get("message") or {}
-    out["tool_call"] = "served" if msg.get("tool_calls") else f"refused: {str(t)[:100]}"
+    out["tool_call"] = "served" if msg.get("tool_calls") or msg.get("content", "").startswith(
+        "[{") else f"refused: {str(t)[:100]}"
     return out
 
 
@@ -445,7 +453,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--testbed", type=Path, default=ROOT / "testbed")
-    ap.add_argument("--sections", default="grammar,sampled,logprobs,mixed,errors,n,probe,speed")
+    ap.add_argument("--sections",
+                    default="grammar,tools,sampled,logprobs,mixed,errors,n,speed,probe")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
@@ -485,6 +494,7 @@ def main() -> None:
         both = {k: urls[k] for k in ("plain", "ddtree")}
         sections = {
             "grammar": lambda: grammar_checks(urls, prompts, texts, model),
+            "tools": lambda: tool_calls(urls, texts),
             "sampled": lambda: sampled_json(urls, prompts[0]),
             "logprobs": lambda: logprob_checks(urls, prompts[:32], texts, model),
             "mixed": lambda: mixed_batch(urls["ddtree"], prompts, model),
