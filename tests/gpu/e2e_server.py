@@ -109,11 +109,11 @@ def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
     finally:
         log = server.log_tail(400)
         res["leak_in_log"] = "memory leak" in log or "use-after-free" in log
-        # which DDTREE kernels served (a fallback is logged as "DDTREE: ... not used ...")
+        # which DDTREE kernels served (the "DDTREE ready" line lists "<kernel> not used: why")
         full = server.log_path.read_text(errors="ignore")
-        res["ddtree_fallbacks"] = [line.split("DDTREE: ", 1)[1][:160]
-                                   for line in full.splitlines()
-                                   if "DDTREE: " in line and ("not used" in line or "stays" in line)]
+        res["ddtree_fallbacks"] = [part.strip()[:160] for line in full.splitlines()
+                                   if "DDTREE ready" in line
+                                   for part in line.split(";") if " not used: " in part]
         res["verify_attention"] = next((v for v in ("split", "kernel")
                                         if f"DDTREE verify attention: {v}" in full), "single")
         res["budget_log"] = [line.split("DDTREE ", 1)[1][:300] for line in full.splitlines()
