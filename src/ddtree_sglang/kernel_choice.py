@@ -103,7 +103,7 @@ def choose_kernels(*, tree_kernel: str, budget: int, depth: int, vocab: int, out
     tree_kernel: "auto" or "triton" (the fused builder where it fits) or "torch".
     verify_attention: the asked variant; `check_verify_attention(variant)` says why it cannot
     be used (None: it can), the engine's comparison with its own attention kernel."""
-    if not torch.device(device).type == "cuda" or not torch.cuda.is_available():
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return Kernels()
     dropped: list[tuple[str, str]] = []
 

@@ -429,8 +429,8 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         """The committed tokens' logprobs (and top / token-id logprobs when asked) in the
         layout SGLang's spec-v2 result processing reads: [bs, W] and bs * W rows."""
         si = batch.sampling_info
-        original = contract.resolve(contract.NAMES["RETURN_ORIGINAL_LOGPROB"])
-        temperatures = None if si is None or si.is_all_greedy or original else si.temperatures
+        temperatures = None if si is None or si.is_all_greedy or \
+            contract.RETURN_ORIGINAL_LOGPROB else si.temperatures
         row_lp, token_lp = committed_log_probs(verified.logits[:, : self.vocab_size],
                                                step.feature_rows, step.tokens, temperatures)
         out, width = verified.logits_output, self.out_width
