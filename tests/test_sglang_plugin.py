@@ -200,6 +200,12 @@ def test_ddtree_serves_logprobs_and_grammars_and_keeps_dflash_s_other_checks(plu
 
     assert scheduler.validate_dflash_request is dflash_utils.validate_dflash_request
     assert plugin.request_error(SimpleNamespace(return_logprob=True)) is None
+    wide = SimpleNamespace(return_logprob=True, vocab_size=10, origin_input_ids=[1],
+                           logprob=SimpleNamespace(top_logprobs_num=11))
+    assert plugin.request_error(wide) == ("top_logprobs_num 11 exceeds the vocabulary; "
+                                          "accepted: 0..10")
+    wide.logprob.top_logprobs_num = 10
+    assert plugin.request_error(wide) is None
 
 
 def test_sglang_contract(monkeypatch):

@@ -127,13 +127,13 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("batch", "forward_batch", "is_verify", "capture_hidden_mode"),
     "sglang.srt.model_executor.forward_batch_info.compute_position":
         ("attn_backend", "extend_prefix_lens", "extend_seq_lens", "extend_seq_lens_sum"),
-    # structured output through the tree (grammar.py)
+    # structured output through the tree (worker.DDTreeWorker._build_tree / _verify)
     "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask":
         ("reqs", "tree", "sampling_info", "device", "barrier"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
-    # output logprobs of the committed tokens (worker.DDTreeWorker._logprobs)
+    # output logprobs of the committed tokens (worker.DDTreeWorker._add_logprobs)
     "sglang.srt.layers.logprob_processor.get_top_logprobs":
         ("logprobs", "top_logprobs_nums", "no_copy_to_cpu"),
     "sglang.srt.layers.logprob_processor.get_token_ids_logprobs":
@@ -154,8 +154,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
          "_prepare_cur_kv_lens_gpu_buf", "_prepare_nxt_kv_lens_gpu_buf"),
     "sglang.srt.managers.schedule_batch.Req":
         ("kv", "kv_committed_len", "req_pool_idx", "output_ids", "origin_input_ids",
-         "vocab_size", "return_logprob", "sampling_params", "tokenizer", "grammar",
+         "vocab_size", "return_logprob", "logprob", "sampling_params", "tokenizer", "grammar",
          "to_finish", "finished"),
+    "sglang.srt.managers.schedule_batch.ReqLogprob": ("top_logprobs_num",),
     "sglang.srt.managers.schedule_batch.ReqKvInfo": ("kv_allocated_len",),
     "sglang.srt.managers.schedule_batch.ScheduleBatch":
         ("forward_mode", "is_extend_in_batch", "spec_info", "seq_lens", "seq_lens_cpu",

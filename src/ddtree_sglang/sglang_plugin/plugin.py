@@ -80,8 +80,18 @@ def token_id_error(ids, vocab: int | None) -> str | None:
 
 def request_error(req) -> str | None:
     """Why DDTREE will not serve this request, or None.  Read from the request's fields."""
-    return token_id_error(getattr(req, "origin_input_ids", None),
-                          getattr(req, "vocab_size", None))
+    vocab = getattr(req, "vocab_size", None)
+    return (token_id_error(getattr(req, "origin_input_ids", None), vocab)
+            or top_logprobs_error(req, vocab))
+
+
+def top_logprobs_error(req, vocab: int | None) -> str | None:
+    """Why a request's top_logprobs_num cannot be served (a top-k wider than the vocabulary
+    fails inside the decode step, which would take the server down), or None."""
+    k = getattr(getattr(req, "logprob", None), "top_logprobs_num", 0) or 0
+    if not getattr(req, "return_logprob", False) or vocab is None or k <= vocab:
+        return None
+    return f"top_logprobs_num {k} exceeds the vocabulary; accepted: 0..{vocab}"
 
 
 def _validate_request_hook(original, req, enable_overlap):
