@@ -30,6 +30,8 @@ HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
 BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
 TREE_KERNEL_ENV = "SGLANG_DDTREE_TREE_KERNEL"
 CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
+DEFAULT_EXPLORE_EVERY = 32
+DEFAULT_MIN_GAIN = 0.03
 
 
 def parse_budgets(value: str, max_budget: int) -> tuple[int, ...]:
@@ -70,7 +72,7 @@ def _explore_every(value: str) -> int:
     if n != 0 and n < 2:
         raise DDTreeConfigError(f"{EXPLORE_ENV}={value!r} is not accepted; accepted: an integer "
                                 f">= 2 (one step in N per batch size tries the least-measured "
-                                f"budget; default 32) or 0 (never)")
+                                f"budget; default {DEFAULT_EXPLORE_EVERY}) or 0 (never)")
     return n
 
 
@@ -82,7 +84,8 @@ def _min_gain(value: str) -> float:
     if not 0.0 <= x <= 0.5:
         raise DDTreeConfigError(f"{MIN_GAIN_ENV}={value!r} is not accepted; accepted: a number "
                                 f"in [0, 0.5], the least predicted gain in tokens/ms the "
-                                f"batch-aware budget acts on (default 0.03: 3%; 0: any gain)")
+                                f"batch-aware budget acts on (default {DEFAULT_MIN_GAIN}: "
+                                f"{DEFAULT_MIN_GAIN:.0%}; 0: any gain)")
     return x
 
 
@@ -100,9 +103,9 @@ class Knob:
 _KNOB_LIST = (
     Knob(BUDGETS_ENV, "auto", lambda v: parse_budgets(v, MAX_BUDGET),
          "the batch-aware budget's candidates: auto, off, or a comma list"),
-    Knob(MIN_GAIN_ENV, "0.03", _min_gain,
+    Knob(MIN_GAIN_ENV, str(DEFAULT_MIN_GAIN), _min_gain,
          "the least predicted gain the batch-aware budget acts on"),
-    Knob(EXPLORE_ENV, "32", _explore_every,
+    Knob(EXPLORE_ENV, str(DEFAULT_EXPLORE_EVERY), _explore_every,
          "one step in N per batch size verifies the least-measured candidate (0: never)"),
     Knob(TREE_KERNEL_ENV, "auto", _choice(TREE_KERNEL_ENV, ("auto", "torch", "triton")),
          "the tree builder: the fused Triton kernel where it fits (auto), or PyTorch"),
