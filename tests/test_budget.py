@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ddtree_sglang.acceptance import accept_tree
 from ddtree_sglang.budget import (DepthCalibration, LiveStepCosts, candidate_budgets,
-                                  choose_budget, expected_by_depth, expected_by_depth_per_request,
+                                  choose_budget, expected_by_depth_per_request,
                                   largest_budget_gain_bound)
 from ddtree_sglang.tree import build_draft_tree
 
@@ -41,7 +41,7 @@ def test_sum_of_prefix_probabilities_is_the_expected_acceptance(seed):
     logits = torch.randn(depth, vocab, generator=g) * 2
     budgets = [1, 3, 6, 10]
     tree = build_draft_tree(logits[None], max(budgets))
-    by_depth = expected_by_depth(tree.scores, tree.depths, budgets, depth)
+    by_depth = expected_by_depth_per_request(tree.scores, tree.depths, budgets, depth).sum(0)
     for i, b in enumerate(budgets):
         assert by_depth[i].sum().item() == pytest.approx(exact_expected_accept(logits, b), abs=1e-5)
     # more nodes never lower the expectation, and no depth exceeds one request
@@ -51,10 +51,10 @@ def test_sum_of_prefix_probabilities_is_the_expected_acceptance(seed):
 def test_expected_by_depth_sums_over_the_batch_and_checks_the_width():
     scores = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.05, 0.01]]))
     depths = torch.tensor([[1, 2, 1], [1, 2, 3]])
-    out = expected_by_depth(scores, depths, [1, 3], max_depth=3)
+    out = expected_by_depth_per_request(scores, depths, [1, 3], max_depth=3).sum(0)
     assert torch.allclose(out, torch.tensor([[1.4, 0.0, 0.0], [1.6, 0.35, 0.01]]), atol=1e-6)
     with pytest.raises(ValueError, match="budgets up to 4"):
-        expected_by_depth(scores, depths, [4], max_depth=3)
+        expected_by_depth_per_request(scores, depths, [4], max_depth=3)
 
 
 @settings(max_examples=200, deadline=None)
@@ -201,7 +201,10 @@ def test_per_request_expectation_sums_to_the_batch_one():
     tree = build_draft_tree(torch.randn(3, 4, 6, generator=g) * 2, 10)
     per = expected_by_depth_per_request(tree.scores, tree.depths, [2, 5, 10], 4)
     assert per.shape == (3, 3, 4)
-    assert torch.allclose(per.sum(0), expected_by_depth(tree.scores, tree.depths, [2, 5, 10], 4))
+    for r in range(3):  # each request's rows are its own tree's, whatever the batch
+        alone = expected_by_depth_per_request(tree.scores[r:r + 1], tree.depths[r:r + 1],
+                                              [2, 5, 10], 4)
+        assert torch.allclose(per[r], alone[0])
     assert per.sum(-1).max() <= 4 + 1e-6  # at most one accepted token per depth
 
 

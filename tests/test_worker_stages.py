@@ -16,8 +16,8 @@ from ddtree_sglang.sglang_plugin import contract, worker as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
 from ddtree_sglang.sglang_plugin.host_timing import NoClock  # noqa: E402
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
-from ddtree_sglang.sglang_plugin.step_records import (Accepted, DraftedTree,  # noqa: E402
-                                                      StepPlan, Verified)
+from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # noqa: E402
+                                                      Verified)
 from ddtree_sglang.tree import build_draft_tree  # noqa: E402
 
 V, H, BLOCK, B = 40, 8, 4, 8  # vocab, hidden, draft block (depth 3), budget

@@ -13,7 +13,7 @@ times per (batch size, budget), measured by the engine.  `choose_budget` then ma
 
     batch committed tokens / step time
 
-over the budgets that have a cost.  The value side (`expected_by_depth*`, `DepthCalibration`) is
+over the budgets that have a cost.  The value side (`expected_by_depth_per_request`, `DepthCalibration`) is
 batched tensor code without host synchronisation, so an engine computes it on the GPU; the
 choice itself compares a handful of numbers per step, so it takes plain floats on the host
 (no tensor ops: each small torch call costs microseconds where a tiny model's step is a few ms).
@@ -37,22 +37,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def expected_by_depth(scores: torch.Tensor, depths: torch.Tensor, budgets: list[int],
-                      max_depth: int) -> torch.Tensor:
-    """[len(budgets), max_depth] predicted accepted nodes per depth, summed over the batch.
-
-    scores [bs, B] best-first prefix log-probabilities (DraftTree.scores), depths [bs, B]
-    (1 = child of the root).  Entry (i, d-1) = sum over requests of the probabilities of the
-    depth-d prefixes among the first budgets[i] nodes, i.e. the expected number of requests
-    that accept at least d tokens with a tree of that budget.
-    """
-    return expected_by_depth_per_request(scores, depths, budgets, max_depth).sum(0)
-
-
 def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
                                   budgets: list[int], max_depth: int) -> torch.Tensor:
-    """[bs, len(budgets), max_depth]: expected_by_depth before the sum over requests (fixed
-    shapes, no host synchronisation: an engine computes it inside its tree stage)."""
+    """[bs, len(budgets), max_depth] predicted accepted nodes per request and depth.
+
+    scores [bs, B] best-first prefix log-probabilities (DraftTree.scores), depths [bs, B]
+    (1 = child of the root).  Entry (r, i, d-1) = the probability of request r's depth-d
+    prefixes among its first budgets[i] nodes, i.e. the chance that r accepts at least d
+    tokens with a tree of that budget.  Fixed shapes, no host synchronisation: an engine
+    computes it inside its tree stage."""
     bs, width = scores.shape
     if max(budgets) > width:
         raise ValueError(f"budgets up to {max(budgets)} need a tree of that many nodes; got {width}")
