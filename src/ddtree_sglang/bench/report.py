@@ -70,10 +70,11 @@ def budget_verdict(rows: list[dict]) -> list[str]:
     levels = sorted({r["concurrency"] for r in rows if r["arm"] == judged})
     if not levels:
         return []
-    out = ["", f"Batch-aware budget (`{judged}`) against the best other arm at each "
-           f"concurrency (bar: >= {AUTO_MARGIN}x):", "",
-           "| concurrency | auto tok/s | best other arm | its tok/s | auto / best | auto / DFLASH "
-           "| >= bar | steady state: auto / best (arm) | rounds: auto / best of round | call |",
+    out = ["", f"`{judged}` against the best other speculative arm at each concurrency "
+           f"(bar: >= {AUTO_MARGIN}x):", "",
+           f"| concurrency | {judged} tok/s | best other arm | its tok/s | {judged} / best | "
+           f"{judged} / DFLASH | >= bar | steady state: {judged} / best (arm) | rounds: "
+           f"{judged} / best of round | call |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for c in levels:
         at = {r["arm"]: r for r in rows if r["concurrency"] == c and r.get("output_tok_s")}
