@@ -60,6 +60,7 @@ TOOL = {"type": "function", "function": {
         "city": {"enum": ["paris", "rome", "oslo"]}, "unit": {"enum": ["c", "f"]}},
         "required": ["city", "unit"], "additionalProperties": False}}}
 TIE = 0.05  # float32 logit gap below which two greedy choices are a near-tie
+SECTIONS = ("grammar", "tools", "sampled", "logprobs", "mixed", "errors", "n", "speed", "probe")
 
 
 def pool_map(fn, items, workers: int = 64) -> list:
@@ -453,9 +454,12 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--testbed", type=Path, default=ROOT / "testbed")
-    ap.add_argument("--sections",
-                    default="grammar,tools,sampled,logprobs,mixed,errors,n,speed,probe")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma list of " + ", ".join(SECTIONS))
     args = ap.parse_args()
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--sections: unknown {', '.join(unknown)}; accepted: {', '.join(SECTIONS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
     from transformers import AutoModelForCausalLM, AutoTokenizer
