@@ -6,6 +6,8 @@
 #   bash scripts/gpu_run.sh kernel    # tree-attention kernel vs float32, verify-attention timings (~5 min)
 #   bash scripts/gpu_run.sh e2e       # real-server checks vs plain SGLang (ARMS=..., E2E_ARGS=...) (~8 min)
 #   bash scripts/gpu_run.sh features  # grammars, logprobs, mixed batch vs plain SGLang (SECTIONS=...) (~6 min)
+#   bash scripts/gpu_run.sh grammar   # structured output under load, DDTREE grammar methods vs DFLASH
+#                                     # and plain (GRAMMAR_ARGS=... for benchmarks/grammar_serve.py)
 #   bash scripts/gpu_run.sh rel       # reliability edges vs plain SGLang, 4 servers          (~8 min)
 #   bash scripts/gpu_run.sh bench     # serving benchmark on the testbed pair                 (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost     # cost mode, Qwen3-8B shapes
@@ -62,6 +64,8 @@ case "${1:-}" in
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
   features) timeout "$LIMIT" python tests/gpu/features.py --out "$OUT/features" ${SECTIONS:+--sections $SECTIONS}
          mkdir -p "$OUT/features/logs" && mv "$OUT"/features/server_*.log "$OUT/features/logs/" 2>/dev/null; pack "$OUT/features" ;;
+  grammar) timeout "$LIMIT" python benchmarks/grammar_serve.py --out "$OUT/grammar" ${GRAMMAR_ARGS:-}
+         pack "$OUT/grammar" ;;
   rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;
   bench) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out "$OUT/bench"

@@ -24,20 +24,23 @@ def test_defaults():
     assert s.budgets == (7, 15, 32) and s.min_gain == 0.03 and s.explore_every == 32
     assert (s.tree_kernel, s.verify_attention, s.verify_attention_named) == ("auto", "kernel",
                                                                             False)
-    assert s.cuda_graph_tree and not s.host_timing and s.budget_trace
+    assert s.cuda_graph_tree and not s.host_timing and s.budget_trace and s.grammar == "tree"
     with pytest.raises(AttributeError):
         s.budget = 7  # frozen
     assert set(KNOBS) == {"SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_BUDGET_MIN_GAIN",
                           "SGLANG_DDTREE_EXPLORE_EVERY", "SGLANG_DDTREE_TREE_KERNEL",
                           "SGLANG_DDTREE_VERIFY_ATTENTION", "SGLANG_DDTREE_CUDA_GRAPH_TREE",
-                          "SGLANG_DDTREE_HOST_TIMING", "SGLANG_DDTREE_BUDGET_TRACE"}
+                          "SGLANG_DDTREE_HOST_TIMING", "SGLANG_DDTREE_BUDGET_TRACE",
+                          "SGLANG_DDTREE_GRAMMAR"}
 
 
 def test_values_from_the_environment():
     s = settings(SGLANG_DDTREE_BUDGETS="off", SGLANG_DDTREE_BUDGET_MIN_GAIN=" 0 ",
                  SGLANG_DDTREE_EXPLORE_EVERY="0", SGLANG_DDTREE_TREE_KERNEL="torch",
                  SGLANG_DDTREE_VERIFY_ATTENTION="split", SGLANG_DDTREE_CUDA_GRAPH_TREE="0",
-                 SGLANG_DDTREE_HOST_TIMING="1", SGLANG_DDTREE_BUDGET_TRACE="0")
+                 SGLANG_DDTREE_HOST_TIMING="1", SGLANG_DDTREE_BUDGET_TRACE="0",
+                 SGLANG_DDTREE_GRAMMAR="path")
+    assert s.grammar == "path"
     assert s.budgets == (32,) and s.min_gain == 0.0 and s.explore_every == 0
     assert s.tree_kernel == "torch" and s.verify_attention == "split" and s.verify_attention_named
     assert not s.cuda_graph_tree and s.host_timing and not s.budget_trace
@@ -55,6 +58,7 @@ def test_values_from_the_environment():
     ("SGLANG_DDTREE_BUDGET_MIN_GAIN", "3%", r"accepted: a number in \[0, 0.5\]"),
     ("SGLANG_DDTREE_HOST_TIMING", "on", "accepted: 0, 1"),
     ("SGLANG_DDTREE_BUDGET_TRACE", "yes", "accepted: 1, 0"),
+    ("SGLANG_DDTREE_GRAMMAR", "fast", "accepted: tree, path, python"),
 ])
 def test_each_bad_value_names_the_accepted_ones(name, value, needle):
     with pytest.raises(DDTreeConfigError, match=needle):

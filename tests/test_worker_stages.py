@@ -14,6 +14,7 @@ from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
 from ddtree_sglang.layout import VerifyLayout  # noqa: E402
 from ddtree_sglang.sglang_plugin import contract, worker as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
+from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep  # noqa: E402
 from ddtree_sglang.sglang_plugin.host_timing import NoClock  # noqa: E402
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
 from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # noqa: E402
@@ -119,20 +120,21 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     w._adaptive = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
     built = []
 
-    def build_mask(**kw):
-        kw["barrier"]()
-        built.append(kw)
-        return "mask"
+    def start(batch, grammar_tree, width, barrier, device, method):
+        barrier()
+        built.append(dict(tree=grammar_tree, width=width, method=method))
+        return "grammar step"
 
-    monkeypatch.setattr(contract, "build_grammar_vocab_mask", build_mask)
+    monkeypatch.setattr(wmod, "start_grammar_step", start)
     tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
     barrier = []
     out = w._verify(make_batch(), StepPlan(2, 5), tree, lambda: barrier.append(1))
     assert seen["runtime"] == ("narrow backend", "narrow graphs")
     assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
                                                                       "configured graphs")
-    assert out.grammar_mask == "mask" and out.forward_batch == "verify batch" and barrier == [1]
-    assert built[0]["tree"] == "tree copy"
+    assert out.grammar == "grammar step" and out.forward_batch == "verify batch"
+    assert barrier == [1]
+    assert built[0] == dict(tree="tree copy", width=6, method="tree")
 
     def broken(**kw):
         raise RuntimeError("verify failed")
@@ -157,7 +159,8 @@ def test_sample_and_accept_masks_every_node_before_choosing():
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
     verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
-                        can_run_graph=True, grammar_mask=EvenTokens())
+                        can_run_graph=True,
+                        grammar=GrammarStep(mask=EvenTokens(), walk_rows=(), walks=()))
     acc = w._sample_and_accept(batch, plan, tree, verified)
     assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar
     masked = logits.clone()

@@ -133,6 +133,12 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask":
         ("reqs", "tree", "sampling_info", "device", "barrier"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
+    "sglang.srt.speculative.spec_utils.traverse_tree":
+        ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens", "grammar",
+         "allocate_token_bitmask", "vocab_size"),
+    # native masks and the greedy path walk (grammar_stage.py) work on xgrammar's matcher
+    "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar":
+        ("matcher", "vocab_size", "ctx", "override_stop_tokens"),
     # output logprobs of the committed tokens (worker.DDTreeWorker._add_logprobs)
     "sglang.srt.layers.logprob_processor.get_top_logprobs":
         ("logprobs", "top_logprobs_nums", "no_copy_to_cpu"),
@@ -213,6 +219,9 @@ NAMES = {
     "compute_position": "sglang.srt.model_executor.forward_batch_info.compute_position",
     "GrammarTree": "sglang.srt.speculative.spec_utils.GrammarTree",
     "build_grammar_vocab_mask": "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask",
+    "GrammarMask": "sglang.srt.constrained.base_grammar_backend.GrammarMask",
+    "XGrammarGrammar": "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar",
+    "traverse_tree": "sglang.srt.speculative.spec_utils.traverse_tree",
     "get_top_logprobs": "sglang.srt.layers.logprob_processor.get_top_logprobs",
     "get_token_ids_logprobs": "sglang.srt.layers.logprob_processor.get_token_ids_logprobs",
     "RETURN_ORIGINAL_LOGPROB": "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB",

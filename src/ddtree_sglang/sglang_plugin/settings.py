@@ -30,6 +30,7 @@ HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
 BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
 TREE_KERNEL_ENV = "SGLANG_DDTREE_TREE_KERNEL"
 CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
+GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
 DEFAULT_EXPLORE_EVERY = 32
 DEFAULT_MIN_GAIN = 0.03
 
@@ -114,6 +115,9 @@ _KNOB_LIST = (
          "the tree verify attention with the triton backend"),
     Knob(CUDA_GRAPH_TREE_ENV, "1", _choice(CUDA_GRAPH_TREE_ENV, ("1", "0")),
          "CUDA graphs for the tree and acceptance stages"),
+    Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, ("tree", "path", "python")),
+         "structured output's masks: native per node (tree), along the accepted path for "
+         "greedy requests (path), or SGLang's Python traversal (python)"),
     Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
          "log the host's time per decode step by stage"),
     Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),
@@ -145,6 +149,7 @@ class DDTreeSettings:
     verify_attention: str
     verify_attention_named: bool  # named in the environment (not the default)
     cuda_graph_tree: bool
+    grammar: str
     host_timing: bool
     budget_trace: bool
 
@@ -181,5 +186,6 @@ class DDTreeSettings:
                    verify_attention=values[VERIFY_ATTENTION_ENV],
                    verify_attention_named=VERIFY_ATTENTION_ENV in env,
                    cuda_graph_tree=values[CUDA_GRAPH_TREE_ENV] == "1",
+                   grammar=values[GRAMMAR_ENV],
                    host_timing=values[HOST_TIMING_ENV] == "1",
                    budget_trace=values[BUDGET_TRACE_ENV] == "1")

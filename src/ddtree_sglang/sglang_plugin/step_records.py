@@ -53,15 +53,15 @@ class Verified:
         the draft KV; the logprob fields are filled at commit).
     logits [bs * n, V]: the target's logits at every node, processed in place by the
         sample-and-accept stage (grammar mask, penalties, logit adjustments).
-    grammar_mask: SGLang's GrammarMask over every node (built on the host while the verify
-        pass runs), None when no request has a grammar.
+    grammar: the step's GrammarStep (grammar_stage.py): node masks built on the host while the
+        verify pass runs and the greedy walks, None when no request has a grammar.
     """
 
     logits_output: Any
     logits: torch.Tensor
     forward_batch: Any
     can_run_graph: bool
-    grammar_mask: Any | None
+    grammar: Any | None
 
 
 @dataclass(frozen=True)

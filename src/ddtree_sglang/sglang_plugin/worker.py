@@ -9,15 +9,19 @@ DFlashWorkerV2's.  A decode step runs five stages over the records of step_recor
                     budget chosen for this batch (adaptive_budget.py; B when pinned);
   verify            root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask
                     input (CUDA graphs captured with the mask, see plugin.py); while it runs,
-                    the host builds the grammar bitmask over every node (structured output);
+                    the host builds the grammar's node masks (structured output,
+                    grammar_stage.py);
   sample and accept each node's logits get the request's grammar mask and penalties as plain
                     decoding would apply them there; the target samples once per node (argmax
-                    when greedy) and the tree is walked along its choices (core);
+                    when greedy), greedy constrained requests may walk their grammar along the
+                    accepted path instead of masking every node, and the tree is walked along
+                    the choices (core);
   commit            the accepted nodes' target KV moves to the committed positions, their
                     hidden states enter the draft KV, and the committed tokens' logprobs are
                     read off the same node logits when asked.
-No stage reads tensors back to the host.  Prefill is DFLASH's, run here so that requests with
-logprobs are served too.
+No stage reads tensors back to the host, except the greedy grammar walk (SGLANG_DDTREE_GRAMMAR=path,
+in steps with greedy constrained requests only), which reads the target's top-K per node.
+Prefill is DFLASH's, run here so that requests with logprobs are served too.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import contract, patches
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
+from ddtree_sglang.sglang_plugin.grammar_stage import grammar_choices, start_grammar_step
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import settings_from_args
@@ -341,15 +346,14 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         finally:  # prefill and everything else see the configured width's runtime
             patches.set_verify_runtime(target_runner, configured)
         logits_output = target_out.logits_output
-        grammar_mask = None
+        grammar = None
         if tree.grammar_tree is not None:
-            grammar_mask = contract.build_grammar_vocab_mask(
-                reqs=batch.reqs, tree=tree.grammar_tree, sampling_info=batch.sampling_info,
-                device=logits_output.next_token_logits.device, barrier=grammar_barrier)
+            grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
+                                         logits_output.next_token_logits.device,
+                                         self.settings.grammar)
         self._clock.mark("verify")
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
-                        forward_batch=verify_fb, can_run_graph=can_run_graph,
-                        grammar_mask=grammar_mask)
+                        forward_batch=verify_fb, can_run_graph=can_run_graph, grammar=grammar)
 
     def _sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
                            verified: Verified) -> Accepted:
@@ -358,8 +362,9 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         node, and the walk along them."""
         bs, n, lay = plan.bs, plan.width, tree.layout
         logits = verified.logits
-        if verified.grammar_mask is not None:
-            verified.grammar_mask.apply(logits)
+        grammar = verified.grammar
+        if grammar is not None and grammar.mask is not None:
+            grammar.mask.apply(logits)
         penalties = self.penalty_state.params(batch.reqs)
         if penalties is not None:
             counts, out_len = self.penalty_state.rows_of(batch.req_pool_indices)
@@ -371,6 +376,7 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         choice = sample_per_node(logits, batch.sampling_info, n,
                                  request_seeds(batch.reqs, self.device),
                                  lay.positions).view(bs, n)
+        choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size)
         commit = StepCommit(*self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents,
                                                 lay.tree_depths, choice))
         self._clock.mark("sample + accept")
