@@ -41,6 +41,8 @@ ARMS = {
                        env={"SGLANG_DDTREE_GRAMMAR": "tree"}),
     "ddtree-path": Arm(name="ddtree-path", algorithm="DDTREE",
                        env={"SGLANG_DDTREE_GRAMMAR": "path"}),
+    "ddtree-auto": Arm(name="ddtree-auto", algorithm="DDTREE",
+                       env={"SGLANG_DDTREE_GRAMMAR": "auto"}),
     "ddtree-python": Arm(name="ddtree-python", algorithm="DDTREE",
                          env={"SGLANG_DDTREE_GRAMMAR": "python"}),
 }

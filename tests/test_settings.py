@@ -58,7 +58,7 @@ def test_values_from_the_environment():
     ("SGLANG_DDTREE_BUDGET_MIN_GAIN", "3%", r"accepted: a number in \[0, 0.5\]"),
     ("SGLANG_DDTREE_HOST_TIMING", "on", "accepted: 0, 1"),
     ("SGLANG_DDTREE_BUDGET_TRACE", "yes", "accepted: 1, 0"),
-    ("SGLANG_DDTREE_GRAMMAR", "fast", "accepted: tree, path, python"),
+    ("SGLANG_DDTREE_GRAMMAR", "fast", "accepted: tree, path, auto, python"),
 ])
 def test_each_bad_value_names_the_accepted_ones(name, value, needle):
     with pytest.raises(DDTreeConfigError, match=needle):

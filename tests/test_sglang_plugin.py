@@ -133,7 +133,8 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
                           (dict(device="cpu"), "CUDA GPUs only"),
                           (dict(decode_attention_backend="fa4"), "accepted: triton, flashinfer"),
                           (dict(attention_backend="trtllm_mha"), "does not run on sm_120"),
-                          (dict(speculative_draft_model_path="/nonexistent"), "not a local directory")]:
+                          (dict(speculative_draft_model_path="/nonexistent"),
+                           "neither a local directory nor a Hugging Face repo id")]:
         with pytest.raises(DDTreeConfigError, match=re.escape(needle)):
             validate(SimpleNamespace(**{**base, **extra}))
     validate(SimpleNamespace(**base))  # and the base itself is fine
@@ -398,3 +399,12 @@ def test_verify_attention_is_installed_on_the_triton_backend_only():
     assert contract.is_triton_attention(backend) and not contract.is_triton_attention(Other())
 
 
+
+
+def test_ddtree_check_proves_the_plugin_is_loaded(capsys):
+    """README: `ddtree-check` is how a user sees that SGLang finds DDTREE (SGLang's --help
+    lists only its built-in algorithms)."""
+    from ddtree_sglang.sglang_plugin.check import main
+
+    assert main() == 0
+    assert "DDTREE is registered" in capsys.readouterr().out

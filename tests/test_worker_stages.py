@@ -14,7 +14,7 @@ from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
 from ddtree_sglang.layout import VerifyLayout  # noqa: E402
 from ddtree_sglang.sglang_plugin import contract, worker as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
-from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep  # noqa: E402
+from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts  # noqa: E402
 from ddtree_sglang.sglang_plugin.host_timing import NoClock  # noqa: E402
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
 from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # noqa: E402
@@ -34,6 +34,7 @@ def make_worker(budget: int = B) -> wmod.DDTreeWorker:
     w.block_size, w.depth, w.out_width = BLOCK, BLOCK - 1, BLOCK
     w.budgets, w._adaptive, w.vocab_size, w.device = [budget], None, V, "cpu"
     w._clock, w._penalty_state, w._kv_move_buffers = NoClock(), None, False
+    w.mask_costs = MaskCosts()
     w.ps = SimpleNamespace(tp_rank=0)
     w._tree_stage = GraphedFunction(w._build_tree_stage, "tree", False)
     w._accept_stage = GraphedFunction(w._run_accept_stage, "accept", False)
@@ -120,9 +121,9 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     w._adaptive = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
     built = []
 
-    def start(batch, grammar_tree, width, barrier, device, method):
+    def start(batch, grammar_tree, width, barrier, device, method, costs):
         barrier()
-        built.append(dict(tree=grammar_tree, width=width, method=method))
+        built.append(dict(tree=grammar_tree, width=width, method=method, costs=costs))
         return "grammar step"
 
     monkeypatch.setattr(wmod, "start_grammar_step", start)
@@ -134,7 +135,7 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
                                                                       "configured graphs")
     assert out.grammar == "grammar step" and out.forward_batch == "verify batch"
     assert barrier == [1]
-    assert built[0] == dict(tree="tree copy", width=6, method="tree")
+    assert built[0] == dict(tree="tree copy", width=6, method="tree", costs=w.mask_costs)
 
     def broken(**kw):
         raise RuntimeError("verify failed")

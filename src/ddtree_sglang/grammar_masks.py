@@ -199,7 +199,7 @@ def follow_paths(logits: torch.Tensor, device_choice: torch.Tensor, rows: Sequen
     dev_choice = device_choice.index_select(0, row_t).cpu().tolist()
     complete = k >= vocab
     try:
-        nodes, masks, rounds = _walk_all(logits, rows, walks, width, vocab, values, ids,
+        nodes, masks, rounds = walk_paths(logits, rows, walks, width, vocab, values, ids,
                                          dev_choice, complete)
     finally:  # every matcher back where the step found it, also on an error
         for walk in walks:
@@ -212,7 +212,7 @@ def follow_paths(logits: torch.Tensor, device_choice: torch.Tensor, rows: Sequen
     return out, PathStats(nodes, masks, rounds)
 
 
-def _walk_all(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWalk], width: int,
+def walk_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWalk], width: int,
               vocab: int, values: list, ids: list, dev_choice: list,
               complete: bool) -> tuple[int, int, int]:
     """Run every walk to its end: top-K decisions, then rounds of masked argmaxes for the

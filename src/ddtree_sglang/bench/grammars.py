@@ -41,7 +41,8 @@ class GrammarKind:
     """One kind of constrained request.
 
     param: SGLang's sampling parameter (json_schema, regex or ebnf); value: its string;
-    sample: an output the grammar accepts (the CPU benchmark's target text)."""
+    sample: an output the grammar accepts (the CPU benchmark's target text; JSON in the
+        separators xgrammar's schemas without free whitespace require, ", " and ": ")."""
 
     name: str
     param: str
@@ -50,20 +51,22 @@ class GrammarKind:
 
 
 KINDS: dict[str, GrammarKind] = {k.name: k for k in (
-    GrammarKind("json", "json_schema", json.dumps(SCHEMA), '{"name":"bob","ok":true,"tag":"z"}'),
+    GrammarKind("json", "json_schema", json.dumps(SCHEMA),
+                json.dumps({"name": "bob", "ok": True, "tag": "z"})),
     GrammarKind("json_bounded", "json_schema", json.dumps(BOUNDED_SCHEMA),
-                '{"title":"A parser for config files","summary":"Reads the file line by line, '
-                'splits each line at the first equals sign and keeps the last value seen for '
-                'every key; comments start with a hash.","tags":["parsing","config","io"],'
-                '"score":87}'),
+                json.dumps({"title": "A parser for config files", "summary":
+                            "Reads the file line by line, splits each line at the first equals "
+                            "sign and keeps the last value seen for every key; comments start "
+                            "with a hash.", "tags": ["parsing", "config", "io"], "score": 87})),
     GrammarKind("regex", "regex", REGEX, "bird-417-blue"),
     GrammarKind("long_regex", "regex", LONG_REGEX,
                 "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm "
                 "mat and the bird sings a song about the long summer days"),
     GrammarKind("ebnf", "ebnf", EBNF, "maybe 42"),
     GrammarKind("tool_call", "json_schema", json.dumps(TOOL_CALL_SCHEMA),
-                '[{"name":"get_weather","parameters":{"city":"oslo","unit":"c","note":'
-                '"bring a coat, it will rain in the evening"}}]'),
+                json.dumps([{"name": "get_weather", "parameters": {
+                    "city": "oslo", "unit": "c",
+                    "note": "bring a coat, it will rain in the evening"}}])),
 )}
 
 

@@ -203,6 +203,7 @@ NAMES = {
     "ForwardMode": "sglang.srt.model_executor.forward_batch_info.ForwardMode",
     "CaptureHiddenMode": "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
     "SpeculativeAlgorithm": "sglang.srt.speculative.spec_info.SpeculativeAlgorithm",
+    "load_plugins": "sglang.srt.plugins.load_plugins",
     "EagleVerifyInput": "sglang.srt.speculative.eagle_info.EagleVerifyInput",
     "eagle_prepare_for_verify": "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
     "move_accept_tokens_to_target_kvcache":

@@ -3,16 +3,27 @@ tree masks built while the verify pass runs, and the greedy path walk after it
 (ddtree_sglang.grammar_masks holds the algorithm and why it is exact).
 
 SGLANG_DDTREE_GRAMMAR picks the method:
-  tree    every constrained request's node masks by xgrammar's native traversal (the default);
+  tree    every constrained request's node masks by xgrammar's native traversal;
   path    greedy requests without logprobs walk their accepted path, the others as `tree`;
+  auto    per request and step: a greedy request walks its path where its tree masks cost the
+          host more than WALK_ABOVE_US at its last masked step, else it gets tree masks;
   python  SGLang's own Python traversal over the tree (what DFLASH and EAGLE run).
+Why `auto`: tree masks are filled while the verify pass runs, so cheap ones (most JSON and regex
+states, ~20-150 us per request) cost the step nothing, whereas the walk runs after the verify
+and reads the top-K back; a bounded repetition (maxLength, {m,n}) makes one fill cost up to
+milliseconds and every tree node pays it, so there the walk wins by far.  A walking request's
+evidence decays (x DECAY per step) so that it retries tree masks once its grammar may have
+left the costly state.  Tree masks of costly requests are filled on a few threads (xgrammar
+releases the GIL); cheap ones serially, where a thread hand-off costs more than the fill.
 Requests whose grammar is not xgrammar's (llguidance, outlines, a reasoning wrapper) always
 take SGLang's traversal: their objects expose no native matcher.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,7 +32,36 @@ from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tr
                                          follow_paths)
 from ddtree_sglang.sglang_plugin import contract
 
-GRAMMAR_METHODS = ("tree", "path", "python")
+GRAMMAR_METHODS = ("tree", "path", "auto", "python")
+WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
+THREAD_ABOVE_US = 200.0  # tree masks this costly go to the thread pool
+DECAY = 0.9
+THREADS = 4
+
+
+@dataclass
+class MaskCosts:
+    """Per request (by rid): the host microseconds its tree masks took at its last masked step,
+    decaying while it walks; the evidence `auto` and the thread pool decide by."""
+
+    us: dict[str, float] = field(default_factory=dict)
+    pool: ThreadPoolExecutor | None = None
+
+    def estimate(self, rid: str) -> float:
+        return self.us.get(rid, 0.0)
+
+    def walked(self, rid: str) -> None:
+        self.us[rid] = self.us.get(rid, 0.0) * DECAY
+
+    def keep_only(self, rids: set[str]) -> None:
+        """Forget finished requests."""
+        if len(self.us) > len(rids):
+            self.us = {r: v for r, v in self.us.items() if r in rids}
+
+    def threads(self) -> ThreadPoolExecutor:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ddtree-grammar")
+        return self.pool
 
 
 @dataclass(frozen=True)
@@ -50,8 +90,15 @@ def walks_greedily(req) -> bool:
     return req.sampling_params.top_k == 1 and not req.return_logprob
 
 
+def walks_here(req, matcher, method: str, costs: MaskCosts) -> bool:
+    """Whether this request walks its accepted path this step (see the module docstring)."""
+    if matcher is None or not walks_greedily(req):
+        return False
+    return method == "path" or (method == "auto" and costs.estimate(req.rid) > WALK_ABOVE_US)
+
+
 def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, vocab: int,
-                       device, method: str) -> GrammarStep | None:
+                       device, method: str, costs: MaskCosts) -> GrammarStep | None:
     """After the verify launch (and the grammar barrier): the masks of the requests that need
     them, and a walk for each greedy one.  links: the host copies of the tree's first-child,
     next-sibling and token arrays, [bs, width] each."""
@@ -61,24 +108,40 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
         if req.grammar is None:
             continue
         matcher = native_matcher(req)
-        if method == "path" and matcher is not None and walks_greedily(req):
+        if walks_here(req, matcher, method, costs):
             walk_rows.append(i)
             walks.append(PathWalk(matcher, next_token[i].tolist(), next_sibling[i].tolist(),
                                   tokens[i].tolist()))
+            costs.walked(req.rid)
         else:
             masked.append((i, req, matcher))
+    costs.keep_only({r.rid for r in reqs if r.grammar is not None})
     if not masked and not walks:
         return None
     mask = None
     if masked:
         bitmask = allow_all(len(reqs) * width, vocab, pin=torch.cuda.is_available())
-        for i, req, matcher in masked:
+
+        def fill(job) -> None:
+            i, req, matcher = job
             rows = bitmask[i * width:(i + 1) * width]
+            t0 = time.perf_counter()
             if matcher is not None and method != "python":
                 fill_tree_masks(matcher, next_token[i], next_sibling[i], tokens[i], rows)
             else:
                 contract.traverse_tree(next_token[i], next_sibling[i], tokens[i], req.grammar,
                                        rows, vocab_size=vocab)
+            costs.us[req.rid] = (time.perf_counter() - t0) * 1e6
+
+        costly = [j for j in masked if j[2] is not None and method != "python"
+                  and costs.estimate(j[1].rid) > THREAD_ABOVE_US]
+        threaded = costly if len(costly) > 1 else []
+        futures = [costs.threads().submit(fill, job) for job in threaded]
+        for job in masked:  # the cheap ones here meanwhile
+            if not any(job is t for t in threaded):
+                fill(job)
+        for f in futures:
+            f.result()
         mask = contract.GrammarMask(masked[0][1].grammar, bitmask.to(device, non_blocking=True))
     return GrammarStep(mask=mask, walk_rows=tuple(walk_rows), walks=tuple(walks))
 
@@ -93,12 +156,12 @@ def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torc
 
 
 def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], None] | None,
-                       device, method: str) -> GrammarStep | None:
+                       device, method: str, costs: MaskCosts) -> GrammarStep | None:
     """Wait for the previous step's tokens to reach the grammars (SGLang's barrier), then build
     this step's masks over the tree's host copy, whose transfer started before the verify."""
     if barrier is not None:
         barrier()
     batch.sampling_info.grammar_mask = None  # else the prefill's leftover mask is applied
     return build_grammar_step(batch.reqs, grammar_tree.resolve(), width,
-                              batch.sampling_info.vocab_size, device, method)
+                              batch.sampling_info.vocab_size, device, method, costs)
 

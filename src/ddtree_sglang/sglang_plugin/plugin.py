@@ -16,6 +16,7 @@ server arguments are parsed.  It registers the algorithm and three method hooks:
 from __future__ import annotations
 
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 _registered = False
@@ -31,7 +32,8 @@ def _validate(server_args) -> None:
     """SGLang's validation hook for DDTREE (runs while SGLang resolves its arguments): pick a
     tree-capable attention backend when the user named none, then check everything."""
     from ddtree_sglang.sglang_plugin import patches
-    from ddtree_sglang.sglang_plugin.server_args import backend_to_default, validate
+    from ddtree_sglang.sglang_plugin.server_args import (DDTreeConfigError, backend_to_default,
+                                                         validate)
 
     backend = backend_to_default(server_args)
     if backend is not None:
@@ -39,7 +41,12 @@ def _validate(server_args) -> None:
         logger.info("DDTREE: no --attention-backend given; using %s (SGLang's default on this "
                     "GPU may not verify a draft tree; pass --attention-backend triton or "
                     "flashinfer to choose)", backend)
-    validate(server_args)
+    try:
+        validate(server_args)
+    except DDTreeConfigError as exc:
+        # The list first, where a user reads; SGLang's traceback (ending in it again) follows.
+        print(f"\n{exc}\n", file=sys.stderr, flush=True)
+        raise
 
 
 def is_ddtree(spec_algorithm) -> bool:

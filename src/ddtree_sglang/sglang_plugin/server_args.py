@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
+from ddtree_sglang.model_files import ModelNotFound, model_dir
 from ddtree_sglang.sglang_plugin.settings import MAX_BUDGET, DDTreeConfigError, DDTreeSettings
 
 logger = logging.getLogger(__name__)
@@ -51,15 +51,18 @@ def budget_from_args(args: Any) -> int:
 
 
 def drafter_config(args: Any) -> DFlashConfig:
-    path = _get(args, "speculative_draft_model_path")
-    if not path:
+    """The drafter's DFlash config, from a local directory or a hub ID (model_files.py: the
+    cache, offline mode, --speculative-draft-model-revision, --download-dir)."""
+    ref = _get(args, "speculative_draft_model_path")
+    if not ref:
         raise DDTreeConfigError(
-            "DDTREE needs --speculative-draft-model-path pointing at a DFlash drafter "
-            "(e.g. a z-lab *-DFlash-b16 checkpoint directory)")
-    if not Path(path).exists():
-        raise DDTreeConfigError(
-            f"--speculative-draft-model-path {path!r} is not a local directory; DDTREE reads "
-            "the DFlash config.json from it (download the drafter first)")
+            "DDTREE needs --speculative-draft-model-path: a DFlash drafter for this target, "
+            "a hub ID (e.g. z-lab/Qwen3-8B-DFlash-b16) or a local directory")
+    try:
+        path = model_dir(str(ref), _get(args, "speculative_draft_model_revision"),
+                         _get(args, "download_dir"))
+    except ModelNotFound as exc:
+        raise DDTreeConfigError(f"--speculative-draft-model-path: {exc}") from None
     try:
         return load_dflash_config(path)
     except NotADFlashCheckpoint as exc:
@@ -103,8 +106,14 @@ def _backend_errors(args: Any) -> list[str]:
 
 
 def _target_hf_config(args: Any) -> dict:
-    path = _get(args, "model_path")
-    cfg_file = Path(path) / "config.json" if path else None
+    """The target's config.json, local or by hub ID; {} where it cannot be read (SGLang
+    reports a missing target itself)."""
+    ref = _get(args, "model_path")
+    try:
+        cfg_file = model_dir(str(ref), _get(args, "revision"), _get(args, "download_dir")) \
+            / "config.json" if ref else None
+    except ModelNotFound:
+        return {}
     if cfg_file is None or not cfg_file.is_file():
         return {}
     try:
@@ -170,22 +179,40 @@ def backend_to_default(args: Any) -> str | None:
     return DEFAULT_TREE_BACKEND
 
 
+def _drafter_and_budget_errors(args: Any) -> list[str]:
+    """The drafter, the block size, the budget and the DDTREE knobs, each judged on its own so
+    that one problem does not hide the next."""
+    errors: list[str] = []
+    cfg = block = None
+    try:
+        cfg = drafter_config(args)
+        block = block_size_from_args(args, cfg)
+    except DDTreeConfigError as exc:
+        errors.append(str(exc))
+    budget = budget_from_args(args)
+    low = (block or 2) - 1
+    try:
+        check_budget(budget, low + 1)
+    except DDTreeConfigError as exc:
+        errors.append(str(exc))
+    try:  # the knobs, against the budget clamped into range (its own error is above)
+        DDTreeSettings.from_values(min(max(budget, low), MAX_BUDGET), low + 1)
+    except DDTreeConfigError as exc:
+        errors.append(str(exc))
+    if cfg is not None:
+        taps = tap_error(cfg.target_layer_ids, _target_hf_config(args))
+        if taps:
+            errors.append(taps)
+    return errors
+
+
 def validate(args: Any) -> None:
     """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
     errors: list[str] = []
     device = str(_get(args, "device") or "cuda")
     if not device.startswith("cuda"):
         errors.append(f"DDTREE runs on CUDA GPUs only; got --device {device}")
-    try:
-        cfg = drafter_config(args)
-        block = block_size_from_args(args, cfg)
-        check_budget(budget_from_args(args), block)
-        DDTreeSettings.from_values(budget_from_args(args), block)
-        taps = tap_error(cfg.target_layer_ids, _target_hf_config(args))
-        if taps:
-            errors.append(taps)
-    except DDTreeConfigError as exc:
-        errors.append(str(exc))
+    errors += _drafter_and_budget_errors(args)
     errors += _backend_errors(args)
     page = _get(args, "page_size")
     if page not in (None, 1):

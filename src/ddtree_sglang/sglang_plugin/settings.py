@@ -115,9 +115,10 @@ _KNOB_LIST = (
          "the tree verify attention with the triton backend"),
     Knob(CUDA_GRAPH_TREE_ENV, "1", _choice(CUDA_GRAPH_TREE_ENV, ("1", "0")),
          "CUDA graphs for the tree and acceptance stages"),
-    Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, ("tree", "path", "python")),
+    Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, ("tree", "path", "auto", "python")),
          "structured output's masks: native per node (tree), along the accepted path for "
-         "greedy requests (path), or SGLang's Python traversal (python)"),
+         "greedy requests (path), path where a request's tree masks are costly (auto), or "
+         "SGLang's Python traversal (python)"),
     Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
          "log the host's time per decode step by stage"),
     Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),

@@ -42,7 +42,8 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import contract, patches
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
-from ddtree_sglang.sglang_plugin.grammar_stage import grammar_choices, start_grammar_step
+from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
+                                                      start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.server_args import settings_from_args
@@ -101,6 +102,7 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         self._draft_block_spec_info = contract.make_draft_block_spec_info(
             draft_token_num=self.block_size, device=self.device)
         self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        self.mask_costs = MaskCosts()  # per-request grammar-mask cost (grammar_stage.py)
         self._kv_move_buffers = None  # resolved at the first decode (the KV pool exists then)
         self._tree_stage = GraphedFunction(self._build_tree_stage, "DDTREE tree stage",
                                            s.cuda_graph_tree)
@@ -350,7 +352,7 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         if tree.grammar_tree is not None:
             grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
                                          logits_output.next_token_logits.device,
-                                         self.settings.grammar)
+                                         self.settings.grammar, self.mask_costs)
         self._clock.mark("verify")
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=verify_fb, can_run_graph=can_run_graph, grammar=grammar)

@@ -1,0 +1,109 @@
+"""sglang_plugin/grammar_stage.py: which constrained request gets tree masks and which walks its
+path under each SGLANG_DDTREE_GRAMMAR method, the cost evidence `auto` decides by, and tree masks
+filled on threads equal to serial ones (real xgrammar matchers, the testbed's tokenizer)."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+pytest.importorskip("sglang")
+
+from ddtree_sglang.bench.grammars import KINDS  # noqa: E402
+from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks  # noqa: E402
+from ddtree_sglang.layout import sibling_links  # noqa: E402
+from ddtree_sglang.sglang_plugin import contract  # noqa: E402
+from ddtree_sglang.sglang_plugin.grammar_stage import (WALK_ABOVE_US, MaskCosts,  # noqa: E402
+                                                       build_grammar_step)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "testbed" / "target"))
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    comp = xgr.GrammarCompiler(info, max_threads=1)
+    kind = KINDS["json_bounded"]
+    compiled = comp.compile_json_schema(kind.value, any_whitespace=False)
+    sample = tok.encode(kind.sample, add_special_tokens=False)
+    return info.vocab_size, compiled, sample
+
+
+def request(rid, compiled, vocab, sample, top_k=1, logprobs=False):
+    m = xgr.GrammarMatcher(compiled)
+    for t in sample[:6]:
+        assert m.accept_token(t)
+    grammar = contract.XGrammarGrammar(m, vocab, compiled, None)
+    return SimpleNamespace(rid=rid, grammar=grammar, return_logprob=logprobs,
+                           sampling_params=SimpleNamespace(top_k=top_k))
+
+
+def links(sample, bs):
+    """A tree per request: the sample's next tokens as a chain with a sibling at each depth."""
+    toks = sample[5:12]
+    parents, tokens = [-1], [toks[0]]
+    for d, t in enumerate(toks[1:]):
+        chain_parent = 0 if d == 0 else len(tokens) - 2
+        parents += [chain_parent, chain_parent]
+        tokens += [t, (t + 7) % 4000]
+    first, nxt = sibling_links(torch.tensor([parents]))
+    rep = lambda x: x.expand(bs, -1).contiguous()  # noqa: E731
+    return rep(first), rep(nxt), rep(torch.tensor([tokens])), len(tokens)
+
+
+@pytest.mark.parametrize("method", ["tree", "path", "auto", "python"])
+def test_who_walks_and_who_gets_masks(setup, method):
+    vocab, compiled, sample = setup
+    reqs = [request("greedy", compiled, vocab, sample),
+            request("sampled", compiled, vocab, sample, top_k=50),
+            request("logprobs", compiled, vocab, sample, logprobs=True),
+            SimpleNamespace(rid="free", grammar=None)]
+    first, nxt, tokens, width = links(sample, len(reqs))
+    costs = MaskCosts({"greedy": 10 * WALK_ABOVE_US, "sampled": 10 * WALK_ABOVE_US})
+    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", method, costs)
+    walks = method in ("path", "auto")
+    assert step.walk_rows == ((0,) if walks else ())
+    rows = step.mask.vocab_mask.view(len(reqs), width, -1)
+    assert bool((rows[0] == -1).all()) == walks  # a walked request's rows allow everything
+    assert not bool((rows[1] == -1).all()) and bool((rows[3] == -1).all())
+    expect = allow_all(width, vocab)
+    fill_tree_masks(reqs[1].grammar.matcher, first[1], nxt[1], tokens[1], expect)
+    assert torch.equal(rows[1], expect)
+    # evidence: measured for masked requests, decayed for the walked one, finished ones dropped
+    assert costs.us["sampled"] > 0 and "free" not in costs.us
+    if walks:
+        assert costs.us["greedy"] == pytest.approx(9 * WALK_ABOVE_US)
+
+
+def test_auto_walks_only_costly_requests_and_retries_tree_masks(setup):
+    vocab, compiled, sample = setup
+    reqs = [request("cheap", compiled, vocab, sample), request("costly", compiled, vocab, sample)]
+    first, nxt, tokens, width = links(sample, 2)
+    costs = MaskCosts({"cheap": 1.0, "costly": 1.05 * WALK_ABOVE_US})
+    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
+    assert step.walk_rows == (1,)
+    assert costs.us["costly"] < WALK_ABOVE_US  # decayed: the next step measures tree masks
+    cheap_measured = costs.us["cheap"]
+    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
+    assert 1 not in step.walk_rows and costs.us["costly"] > 0
+    assert (0 in step.walk_rows) == (cheap_measured > WALK_ABOVE_US)
+
+
+def test_threaded_tree_masks_equal_serial_ones(setup):
+    vocab, compiled, sample = setup
+    reqs = [request(f"r{i}", compiled, vocab, sample, top_k=20) for i in range(6)]
+    first, nxt, tokens, width = links(sample, len(reqs))
+    costs = MaskCosts({f"r{i}": 1e6 for i in range(6)})  # all costly: the thread pool fills
+    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "tree", costs)
+    assert costs.pool is not None
+    serial = allow_all(len(reqs) * width, vocab)
+    for i, r in enumerate(reqs):
+        fill_tree_masks(r.grammar.matcher, first[i], nxt[i], tokens[i],
+                        serial[i * width:(i + 1) * width])
+    assert torch.equal(step.mask.vocab_mask, serial)
+    assert all(v < 1e6 for v in costs.us.values())  # re-measured
