@@ -156,9 +156,9 @@ def _error_line(capsys, argv) -> str:
     ("", "is empty"),
     ("- 1\n- 2\n", "expected a mapping of keys"),
     ("name: x\narms: [{name: a}]\ntemperature: -1\n", "temperature: Input should be greater"),
-    ("name: x\narms: [{name: a}]\nconcurrency: [0]\n", "concurrency levels must be >= 1"),
+    ("name: x\narms: [{name: a}]\nconcurrency: [0]\n", "concurrency levels must be >= 1 (got [0])"),
     ("name: x\narms: [{name: a}]\ncost_mode: {profile_batches: [8, 0]}\n",
-     "cost_mode.profile_batches: every entry must be >= 1; got [8, 0]"),
+     "cost_mode.profile_batches: every entry must be >= 1 (got [8, 0])"),
 ])
 def test_bad_configs_end_in_one_line_naming_the_file(tmp_path, capsys, text, needle):
     path = tmp_path / "bad.yaml"
@@ -172,7 +172,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     assert serve_bench.main(["--config", str(cfg), "--dry-run", "--concurrency", "2"]) == 0
     out = capsys.readouterr().out
     assert "3 arms x 2 replicas" in out and "16 requests at 2" in out
-    assert out.count("CUDA_VISIBLE_DEVICES=0 python -m no_such_module") == 6
+    assert out.count(f"CUDA_VISIBLE_DEVICES=0 {sys.executable} -m no_such_module") == 6
     assert "--speculative-num-draft-tokens 33" in out and not list(tmp_path.glob("logs"))
     # a low-concurrency call may capture fewer graphs (faster start)
     assert serve_bench.main(["--config", str(cfg), "--dry-run", "--concurrency", "1,2",
@@ -632,12 +632,32 @@ def test_results_are_saved_after_every_level(tmp_path, fake_env):
     assert saved[-1] == [("dflash", 1), ("dflash", 2), ("ddtree-b32", 1), ("ddtree-b32", 2)]
 
 
-def test_dry_run_and_real_run_refuse_missing_inputs_alike(tmp_path, capsys):
+def test_dry_run_names_missing_inputs_and_the_real_run_refuses_them(tmp_path, capsys):
     cfg = write_config(tmp_path, model_path=str(tmp_path / "no-such-model"))
-    for extra in (["--dry-run"], ["--out", str(tmp_path / "out")]):
-        line = _error_line(capsys, ["--config", str(cfg), *extra])
-        assert "no-such-model not found" in line
+    assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0
+    assert "no-such-model: NOT FOUND here" in capsys.readouterr().out
+    line = _error_line(capsys, ["--config", str(cfg), "--out", str(tmp_path / "out")])
+    assert "no-such-model not found (check the path" in line  # absolute: no cwd hint
     assert not (tmp_path / "out").exists()
+
+
+def test_pro6000x8_config_plans_on_any_machine_by_hub_id(capsys, monkeypatch, tmp_path):
+    """configs/pro6000x8.yaml names the models by hub ID; its dry-run prints the plan here (no
+    GPU, nothing cached) and says the servers would download them; offline and uncached, the
+    real run is refused naming what to fetch."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    cfg = ROOT / "configs" / "pro6000x8.yaml"
+    assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "5 arms x 8 replicas" in out
+    assert "target Qwen/Qwen3-8B: hub ID, not cached: the server downloads it" in out
+    assert "drafter z-lab/Qwen3-8B-DFlash-b16: hub ID" in out
+    assert out.count("--model-path Qwen/Qwen3-8B ") == 40
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    line = _error_line(capsys, ["--config", str(cfg), "--out", str(tmp_path / "o")])
+    assert "hf download Qwen/Qwen3-8B" in line and "HF_HUB_OFFLINE is set" in line
 
 
 def test_a_run_without_a_usable_gpu_stops_before_starting_servers(tmp_path, capsys, monkeypatch):

@@ -67,16 +67,25 @@ def finite_float(text: str) -> float:
     return value
 
 
-def positive_int_list(text: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]; a clear argparse error for anything else."""
+def _int_list(text: str, low: int, what: str, example: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 0:
+    if not values or min(values) < low:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated non-negative integers such as 1,4,16; got {text!r}")
+            f"expected comma-separated {what} such as {example}; got {text!r}")
     return values
+
+
+def positive_int_list(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; a clear argparse error for anything else (0 included)."""
+    return _int_list(text, 1, "integers >= 1", "1,4,16")
+
+
+def gpu_index_list(text: str) -> list[int]:
+    """'0,1,2,3' -> [0, 1, 2, 3]: GPU indices, from 0."""
+    return _int_list(text, 0, "GPU indices >= 0", "0,1,2,3")
 
 
 def require_cuda(device: str) -> None:

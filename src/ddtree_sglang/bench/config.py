@@ -116,7 +116,7 @@ class CostMode(_Strict):
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
         if any(x < 1 for x in v):
-            raise ValueError(f"every entry must be >= 1; got {v}")
+            raise ValueError("every entry must be >= 1")
         return v
 
 
@@ -166,7 +166,7 @@ class BenchConfig(_Strict):
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
         if not v or min(v) < 1:
-            raise ValueError(f"concurrency levels must be >= 1; got {v}")
+            raise ValueError("concurrency levels must be >= 1")
         return sorted(set(v))
 
     @model_validator(mode="after")

@@ -33,14 +33,16 @@ from ddtree_sglang.bench import cells, client, compare, cost_mode, profile, repo
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
-from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
+from ddtree_sglang.cli import (CliError, Parser, gpu_index_list, positive_int,
+                              positive_int_list, run)
+from ddtree_sglang.model_files import is_hub_id
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
 
 
 def load_prompts(cfg: BenchConfig) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_abs(cfg.model_path))
+    tok = AutoTokenizer.from_pretrained(model_ref(cfg.model_path))
     src = cfg.prompts.source
     if src.endswith(".jsonl"):
         rows = read_prompts(_abs(src))
@@ -56,6 +58,39 @@ def load_prompts(cfg: BenchConfig) -> list[list[int]]:
 def _abs(p: str) -> str:
     """Config paths are relative to the directory the benchmark is started from."""
     return str(Path(p).resolve())
+
+
+def model_ref(p: str) -> str:
+    """A config's model as the servers get it: a hub ID stays one (SGLang resolves it through
+    the Hugging Face cache) unless a local folder of that name exists; a path is made absolute."""
+    return p if is_hub_id(p) and not Path(p).exists() else _abs(p)
+
+
+def input_status(what: str, ref: str) -> tuple[str, str | None]:
+    """(what a run would read or download for `ref`, the problem that stops a real run or
+    None), without the network: a hub ID is looked up in the local cache only."""
+    if ref in DATASETS:
+        name = DATASETS[ref][0]
+        return f"{what} {ref}: the {name} dataset, downloaded by `datasets` on first use", None
+    if is_hub_id(ref) and not Path(ref).exists():
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(ref, "config.json")
+        if isinstance(cached, str):
+            return f"{what} {ref}: hub ID, in the Hugging Face cache ({Path(cached).parent})", None
+        if constants.HF_HUB_OFFLINE:
+            return (f"{what} {ref}: hub ID, not in the Hugging Face cache",
+                    f"{what} {ref} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and "
+                    f"HF_HUB_OFFLINE is set; fetch it first: hf download {ref}")
+        return f"{what} {ref}: hub ID, not cached: the server downloads it at start", None
+    path = Path(ref)
+    if path.exists():
+        return f"{what} {ref}: read from {path.resolve()}", None
+    hint = (f"relative paths are read from {Path.cwd()}; run from the repository root"
+            if not path.is_absolute() else "check the path")
+    return (f"{what} {ref}: NOT FOUND here",
+            f"{what} {ref} not found ({hint}, or name a Hugging Face hub ID such as "
+            "Qwen/Qwen3-8B)")
 
 
 def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) -> ServerSpec:
@@ -132,7 +167,7 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
     arm's whole cell in turn."""
     prompts = load_prompts(cfg)
     params = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
-    model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
+    model, drafter = model_ref(cfg.model_path), model_ref(cfg.draft_model_path)
     ref = next((a for a in cfg.arms if a.algorithm is None), None)
     order = [a for a in cfg.arms if a is not ref] + ([ref] if ref else [])
     rows, outputs, failures, correctness = [], {}, {}, {}
@@ -343,7 +378,7 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
         gpus = cfg.gpus[:1]
     else:
         arms = cfg.arms
-        model, drafter = _abs(cfg.model_path), _abs(cfg.draft_model_path)
+        model, drafter = model_ref(cfg.model_path), model_ref(cfg.draft_model_path)
         if cfg.min_cell_seconds or cfg.min_cell_requests:
             minimum = " or ".join(x for x in (
                 f"{cfg.min_cell_seconds:g} s" if cfg.min_cell_seconds else "",
@@ -357,13 +392,18 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
                     f"{cfg.endpoint} endpoint, prompts {cfg.prompts.source} (first "
                     f"{cfg.prompts.limit})")
         gpus = cfg.gpus
-    lines = [f"config {cfg.name}: {len(arms)} arms x {len(gpus)} replicas (GPUs {gpus}), "
-             f"{min(cfg.startup_group, len(arms))} arm(s) started together", levels, "servers it would start:"]
+    lines = [f"config {cfg.name}: {_count(len(arms), 'arm')} x {_count(len(gpus), 'replica')} "
+             f"(GPUs {gpus}), {_count(min(cfg.startup_group, len(arms)), 'arm')} started "
+             "together", levels]
+    if not cfg.cost_mode.enabled:
+        lines += ["inputs:"] + [f"  {line}" for line, _ in (
+            input_status(what, ref) for what, ref in run_inputs(cfg))]
+    lines.append("servers it would start:")
     for arm in arms:
         extra = ["--skip-tokenizer-init"] if cfg.cost_mode.enabled else []
         spec = server_spec(cfg, arm, model, drafter, extra=extra)
         for g in gpus:
-            lines.append(f"  [{arm.name}, GPU {g}] CUDA_VISIBLE_DEVICES={g} python "
+            lines.append(f"  [{arm.name}, GPU {g}] CUDA_VISIBLE_DEVICES={g} {sys.executable} "
                          + " ".join(spec.cli(port=0)[1:]).replace("--port 0", "--port <free>"))
     return "\n".join(lines)
 
@@ -375,15 +415,25 @@ def main(argv: list[str] | None = None) -> int:
     return run(lambda: _main(argv), PROG)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def run_inputs(cfg: BenchConfig) -> list[tuple[str, str]]:
+    """(role, reference) of what a run reads: the target, the drafter (when an arm
+    speculates) and the prompts."""
+    return [("target", cfg.model_path),
+            *([("drafter", cfg.draft_model_path)] if any(a.algorithm for a in cfg.arms) else []),
+            ("prompts", cfg.prompts.source)]
+
+
 def missing_inputs(cfg: BenchConfig) -> list[str]:
-    """The model, drafter and prompt paths a run reads that do not exist (cost mode writes its
-    own models)."""
+    """Why a real run could not read its inputs: a local path that does not exist, a hub ID
+    that is not cached while offline (cost mode writes its own models)."""
     if cfg.cost_mode.enabled:
         return []
-    needed = [cfg.model_path, *([cfg.draft_model_path] if any(a.algorithm for a in cfg.arms)
-                                else []),
-              *([cfg.prompts.source] if cfg.prompts.source.endswith(".jsonl") else [])]
-    return [p for p in needed if not Path(_abs(p)).exists()]
+    return [problem for _, problem in (input_status(w, r) for w, r in run_inputs(cfg))
+            if problem]
 
 
 def gpu_problem(cfg: BenchConfig) -> str | None:
@@ -409,7 +459,7 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--config", required=True, help="configs/*.yaml")
     ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")
     ap.add_argument("--concurrency", type=positive_int_list, help="override, e.g. 1,4,16")
-    ap.add_argument("--gpus", type=positive_int_list, help="override the replica GPUs, e.g. 0,1,2,3")
+    ap.add_argument("--gpus", type=gpu_index_list, help="override the replica GPUs, e.g. 0,1,2,3")
     ap.add_argument("--cuda-graph-max-bs", type=positive_int,
                     help="override: capture decode / verify graphs only up to this batch size "
                          "(a call that measures only low concurrency starts faster)")
@@ -443,13 +493,12 @@ def _main(argv: list[str] | None) -> int:
         raise CliError(str(exc)) from None
     except ValidationError as exc:
         raise CliError(f"after the command-line overrides: {describe_errors(exc)}") from None
-    absent = missing_inputs(cfg)
-    if absent and not args.report_only:
-        raise CliError(f"{', '.join(absent)} not found (relative paths are read from "
-                       f"{Path.cwd()}); run from the repository root or use absolute paths")
-    if args.dry_run:
+    if args.dry_run:  # on any machine: what is missing here is named in the plan
         print(plan(cfg, keep))
         return 0
+    absent = missing_inputs(cfg)
+    if absent and not args.report_only:
+        raise CliError("; ".join(absent))
     if args.out is None:
         raise CliError("--out is required (the results folder), except with --dry-run")
     if args.merge_from and not args.report_only:
