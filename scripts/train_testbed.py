@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddtree_sglang.cli import (Parser, finite_float, non_negative_float, non_negative_int,
-                               positive_float, positive_int, positive_int_list, require_cuda, run)
+from ddtree_sglang.cli import (Parser, finite_float, index_list, non_negative_float,
+                               non_negative_int, positive_float, positive_int, require_cuda, run)
 from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
 from ddtree_sglang.reference.drafter import DFlashDrafter
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--drafter-batch", type=positive_int, default=32)
     ap.add_argument("--held-seqs", type=positive_int, default=128,
                     help="continuations of held-out files for the drafter's held-out accuracy")
-    ap.add_argument("--taps", type=positive_int_list, default=[1, 2],
+    ap.add_argument("--taps", type=index_list, default=[1, 2],
                     help="target layers feeding the drafter, e.g. 1,3")
     ap.add_argument("--target-layers", type=positive_int, default=LAYERS,
                     help=f"target decoder layers (v1-v3: {LAYERS})")

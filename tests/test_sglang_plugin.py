@@ -408,3 +408,18 @@ def test_ddtree_check_proves_the_plugin_is_loaded(capsys):
 
     assert main() == 0
     assert "DDTREE is registered" in capsys.readouterr().out
+
+
+def test_every_startup_problem_listed_together_before_sglang_s_traceback(plugin_loaded, capsys,
+                                                                        monkeypatch):
+    """A bad budget does not hide a bad knob or a bad backend; the list is printed to stderr
+    first (SGLang's traceback follows it)."""
+    monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "bogus")
+    with pytest.raises(ValueError) as err:
+        make_args(speculative_num_draft_tokens=5000, attention_backend="fa3")
+    printed = capsys.readouterr().err
+    for needle in ("B = --speculative-num-draft-tokens - 1 = 4999 is out of range",
+                   "SGLANG_DDTREE_BUDGETS='bogus' is not accepted",
+                   "--attention-backend fa3 cannot verify a draft tree"):
+        assert needle in str(err.value) and needle in printed
+    assert printed.lstrip().startswith("DDTREE cannot start:")

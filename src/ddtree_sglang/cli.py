@@ -83,9 +83,9 @@ def positive_int_list(text: str) -> list[int]:
     return _int_list(text, 1, "integers >= 1", "1,4,16")
 
 
-def gpu_index_list(text: str) -> list[int]:
-    """'0,1,2,3' -> [0, 1, 2, 3]: GPU indices, from 0."""
-    return _int_list(text, 0, "GPU indices >= 0", "0,1,2,3")
+def index_list(text: str) -> list[int]:
+    """'0,1,2,3' -> [0, 1, 2, 3]: indices (GPUs, layers), from 0."""
+    return _int_list(text, 0, "indices >= 0", "0,1,2,3")
 
 
 def require_cuda(device: str) -> None:

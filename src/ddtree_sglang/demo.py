@@ -2,10 +2,10 @@
 
     ddtree-demo                      # 4 held-out prompts, 64 new tokens, DDTree B = 32
     ddtree-demo --budget 64 --prompts 8 --temperature 1.0
-    ddtree-demo --auto-budgets 4,16,32   # + DDTree with the budget chosen per step
+    ddtree-demo --auto-budgets 7,15,32   # + DDTree with the budget chosen per step
 
 Runs the pure-PyTorch reference loop (no GPU, no SGLang), prints one table (acceptance length
-tau, tokens/s, tokens per target forward) and the decoded text of one sample.  Every limit is
+accept length, tokens/s, tokens per target forward) and the decoded text of one sample.  Every limit is
 checked before generating: the budget against the tree's distinct prefixes and this machine's
 free memory, the output length against the target's positions.
 """
@@ -159,7 +159,7 @@ def _main(argv: list[str] | None) -> int:
                          toks / fwd))
     table = Table(title=f"testbed, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                         f"temperature {args.temperature}, CPU")
-    for col in ("mode", "tau (tokens / verify step)", "tokens/s", "tokens per target forward"):
+    for col in ("mode", "accept length (tokens / verify step)", "tokens/s", "tokens per target forward"):
         table.add_column(col, justify="right")
     for label, tau, tps, tpf in rows:
         table.add_row(label, f"{tau:.2f}", f"{tps:.1f}", f"{tpf:.2f}")

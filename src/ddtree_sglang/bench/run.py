@@ -33,7 +33,7 @@ from ddtree_sglang.bench import cells, client, compare, cost_mode, profile, repo
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
-from ddtree_sglang.cli import (CliError, Parser, gpu_index_list, positive_int,
+from ddtree_sglang.cli import (CliError, Parser, index_list, positive_int,
                               positive_int_list, run)
 from ddtree_sglang.model_files import is_hub_id
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
@@ -459,7 +459,7 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--config", required=True, help="configs/*.yaml")
     ap.add_argument("--out", type=Path, help="results folder (not needed with --dry-run)")
     ap.add_argument("--concurrency", type=positive_int_list, help="override, e.g. 1,4,16")
-    ap.add_argument("--gpus", type=gpu_index_list, help="override the replica GPUs, e.g. 0,1,2,3")
+    ap.add_argument("--gpus", type=index_list, help="override the replica GPUs, e.g. 0,1,2,3")
     ap.add_argument("--cuda-graph-max-bs", type=positive_int,
                     help="override: capture decode / verify graphs only up to this batch size "
                          "(a call that measures only low concurrency starts faster)")

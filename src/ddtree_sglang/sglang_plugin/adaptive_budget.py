@@ -27,6 +27,7 @@ import torch
 
 from ddtree_sglang.budget import BudgetController, LiveStepCosts
 from ddtree_sglang.sglang_plugin import contract, patches
+from ddtree_sglang.sglang_plugin.settings import DEFAULT_EXPLORE_EVERY, DEFAULT_MIN_GAIN
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +184,8 @@ def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | Non
 
 
 def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepare_backend=None,
-                          log: bool = True, explore_every: int = 32,
-                          min_gain: float = 0.0) -> AdaptiveBudget | None:
+                          log: bool = True, explore_every: int = DEFAULT_EXPLORE_EVERY,
+                          min_gain: float = DEFAULT_MIN_GAIN) -> AdaptiveBudget | None:
     """A target verify (attention backend + CUDA graphs) per candidate width of the target's
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
     budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""

@@ -158,6 +158,8 @@ def register() -> None:
 
     spec_algorithm, _, get_spec = contract.spec_classes()
     if get_spec(ALGORITHM) is not None:
+        logger.info("ddtree-sglang: SGLang already provides %s; the plugin stands down",
+                    ALGORITHM)
         _registered = True
         return
     try:

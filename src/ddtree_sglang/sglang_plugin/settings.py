@@ -1,9 +1,10 @@
 """Every DDTREE setting in one frozen object: the SGLANG_DDTREE_* environment knobs and what
 the server arguments fix (the tree budget, the draft block).
 
-`DDTreeSettings.from_server_args` is the one place a knob is read and checked: argument
-validation builds it (a bad value stops the server at startup, naming the accepted values),
-and the worker builds it once in its own process from the same arguments and environment.
+`DDTreeSettings.from_values` is the one place a knob is read and checked: argument
+validation (server_args.validate) builds it (a bad value stops the server at startup, naming
+the accepted values), and the worker builds it once in its own process from the same
+arguments and environment (server_args.settings_from_args).
 Nothing else reads `os.environ`.  `KNOBS` is the table behind it; `check_env` serves the
 benchmark's per-arm environments.
 """
