@@ -423,3 +423,35 @@ def test_every_startup_problem_listed_together_before_sglang_s_traceback(plugin_
                    "--attention-backend fa3 cannot verify a draft tree"):
         assert needle in str(err.value) and needle in printed
     assert printed.lstrip().startswith("DDTREE cannot start:")
+
+
+def test_contract_covers_overrides_and_copied_source(monkeypatch):
+    """Every method DDTREE overrides is listed under its parent (so the table stays complete),
+    and a renamed parent method or a changed copied method is refused at startup."""
+    from ddtree_sglang.sglang_plugin import contract, draft_input, spec_algo, worker
+
+    def overridden(sub, *parents):
+        return {n for n, v in vars(sub).items() if callable(v) and not n.startswith("__")
+                and any(hasattr(p, n) for p in parents)}
+
+    table = {k.rsplit(".", 1)[1]: set(v) for k, v in contract.OVERRIDES.items()}
+    assert overridden(spec_algo.DDTreeSpecAlgo, contract.resolve(
+        "sglang.srt.speculative.spec_registry.CustomSpecAlgo"), contract.SpeculativeAlgorithm) \
+        == table["CustomSpecAlgo"] | table["SpeculativeAlgorithm"]
+    assert overridden(worker.DDTreeWorker, contract.DFlashWorkerV2) == table["DFlashWorkerV2"]
+    assert overridden(draft_input.DDTreeDraftInput, contract.DFlashDraftInputV2) \
+        == table["DFlashDraftInputV2"]
+    assert contract.contract_violations() == []
+
+    parent = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
+    monkeypatch.setitem(contract.OVERRIDES, parent,
+                        contract.OVERRIDES[parent] + ("_make_next_draft_input_prefil",))
+    copied = next(iter(contract.COPIED))
+    monkeypatch.setitem(contract.COPIED, copied, ("0" * 16, contract.COPIED[copied][1]))
+    problems = contract.contract_violations()
+    assert any("methods ['_make_next_draft_input_prefil'] that DDTREE overrides are gone" in p
+               for p in problems)
+    assert any(p.startswith(copied) and "changed since DDTREE copied it" in p
+               and "draft_input.py" in p for p in problems)
+    with pytest.raises(RuntimeError, match="lacks internals"):
+        contract.check_contract()

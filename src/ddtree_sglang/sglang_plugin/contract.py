@@ -147,12 +147,42 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB": (),
 }
 
+# Methods the plugin's subclasses override, per parent: a parent method renamed in SGLang would
+# leave the override silently unused, so each name must still be on the parent.
+# SpeculativeAlgorithm's are the interface SGLang calls on every algorithm object, which
+# CustomSpecAlgo (DDTreeSpecAlgo's base) does not define.
+OVERRIDES: dict[str, tuple[str, ...]] = {
+    "sglang.srt.speculative.spec_registry.CustomSpecAlgo":
+        ("is_dflash_family", "supports_target_verify_for_draft", "has_draft_kv",
+         "supports_grammar_overlap", "get_num_tokens_per_req_for_target_verify",
+         "handle_server_args"),
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm":
+        ("need_topk", "carries_draft_hidden_states", "create_future_map"),
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2":
+        ("init_attention_backends", "init_cuda_graphs", "_maybe_build_draft_sampler",
+         "_make_next_draft_input_prefill", "_make_next_draft_input_decode",
+         "forward_batch_generation"),
+    "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2": ("prepare_for_decode",),
+}
+
+# SGLang methods the plugin carries a modified copy of: the sha256 (first 16 hex digits) of the
+# parent method's source when it was copied, and where the copy lives.  A changed parent stops
+# the server naming the method, so the copy is reviewed instead of drifting silently.
+COPIED: dict[str, tuple[str, str]] = {
+    "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode":
+        ("b88aafc416effc8f", "sglang_plugin/draft_input.py DDTreeDraftInput.prepare_for_decode"),
+}
+
 # Attributes the plugin reads on instances of these classes (their own or inherited).
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    # patches.declare_server_args declares DDTREE's defaults through SGLang's override pass
+    "sglang.srt.server_args.ServerArgs": ("_resolved_overrides",),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2":
         ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
          "_mask_token_id", "_draft_block_ids_buf", "_draft_block_positions_buf",
-         "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf"),
+         "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf",
+         # written by DDTreeWorker.__init__ for the parent's methods to read
+         "_block_pos_offsets", "_draft_block_spec_info"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2":
         ("bonus_tokens", "max_top_k", "uniform_top_k_value", "reserved_seq_lens_cpu",
          "reserved_seq_lens_sum", "_prepare_batch_seq_lens_cpu_buf",
@@ -204,6 +234,7 @@ NAMES = {
     "CaptureHiddenMode": "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
     "SpeculativeAlgorithm": "sglang.srt.speculative.spec_info.SpeculativeAlgorithm",
     "load_plugins": "sglang.srt.plugins.load_plugins",
+    "ServerArgs": "sglang.srt.server_args.ServerArgs",
     "EagleVerifyInput": "sglang.srt.speculative.eagle_info.EagleVerifyInput",
     "eagle_prepare_for_verify": "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
     "move_accept_tokens_to_target_kvcache":
@@ -273,6 +304,25 @@ def contract_violations() -> list[str]:
         missing = [p for p in params if p not in sig.parameters]
         if missing:
             problems.append(f"{path}: parameters {missing} not in {list(sig.parameters)}")
+    for path, names in OVERRIDES.items():
+        try:
+            cls = resolve(path)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{path}: missing ({exc})")
+            continue
+        gone = [n for n in names if not callable(getattr(cls, n, None))]
+        if gone:
+            problems.append(f"{path}: methods {gone} that DDTREE overrides are gone (its "
+                            "override would never be called)")
+    for path, (digest, copy) in COPIED.items():
+        try:
+            now = source_digest(resolve(path))
+        except (ImportError, AttributeError, OSError, TypeError) as exc:
+            problems.append(f"{path}: missing ({exc})")
+            continue
+        if now != digest:
+            problems.append(f"{path}: changed since DDTREE copied it (source sha256 {now}, "
+                            f"copied from {digest}); review the copy in {copy}")
     for path, names in ATTRIBUTES.items():
         try:
             cls = resolve(path)
@@ -284,6 +334,13 @@ def contract_violations() -> list[str]:
         if missing:
             problems.append(f"{path}: attributes {missing} not found")
     return problems
+
+
+def source_digest(obj) -> str:
+    """The first 16 hex digits of the sha256 of `obj`'s source text."""
+    import hashlib
+
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
 
 
 def instance_attributes(cls: type) -> set[str]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from ddtree_sglang.sglang_plugin.contract import (NAMES, extend_attention_signature,
+from ddtree_sglang.sglang_plugin.contract import (NAMES, SUPPORTED_SGLANG,
+                                                  extend_attention_signature,
                                                   is_triton_attention, resolve, runtime_spec)
 
 
@@ -54,11 +55,16 @@ def declare_server_args(server_args, fields: dict) -> None:
     In 0.5.17 defaults filled during `ServerArgs.__post_init__` (the attention backend among
     them) are declarations applied at its end, so a plain assignment made by a speculative
     hook is overwritten; a declaration made here comes after SGLang's and wins.  Objects that
-    are not ServerArgs (tests) get the attributes set directly."""
-    if not hasattr(server_args, "_resolved_overrides"):
+    are not ServerArgs (tests) get the attributes set directly; a ServerArgs without the
+    override pass (another SGLang) is refused rather than set where SGLang would overwrite."""
+    if not isinstance(server_args, resolve(NAMES["ServerArgs"])):
         for name, value in fields.items():
             setattr(server_args, name, value)
         return
+    if not hasattr(server_args, "_resolved_overrides"):
+        raise RuntimeError("this SGLang's ServerArgs has no _resolved_overrides (the override "
+                           f"pass DDTREE declares its defaults through); DDTREE supports SGLang "
+                           f"{SUPPORTED_SGLANG}")
     from sglang.srt.arg_groups.overrides import run_post_process_pass
 
     def ddtree_defaults(view) -> dict:
