@@ -505,12 +505,3 @@ def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:
         end.synchronize()
         out[int(key.size)] = start.elapsed_time(end) / reps
     return out or None
-
-
-def report_per_request(logits_output, key: str, values: list) -> None:
-    """One value per request of this step, which SGLang appends to each request's
-    meta_info[key] (a list with one entry per decode step of that request)."""
-    info = logits_output.customized_info
-    if info is None:
-        info = logits_output.customized_info = {}
-    info[key] = values

@@ -104,3 +104,12 @@ def build_verify_runtime(model_runner, width: int, prepare_backend=None):
 def set_verify_runtime(model_runner, runtime: tuple) -> None:
     """Make the target verify through `runtime` (a pair from build_verify_runtime)."""
     model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
+
+
+def report_per_request(logits_output, key: str, values: list) -> None:
+    """One value per request of this step, which SGLang appends to each request's
+    meta_info[key] (a list with one entry per decode step of that request)."""
+    info = logits_output.customized_info
+    if info is None:
+        info = logits_output.customized_info = {}
+    info[key] = values

@@ -401,7 +401,7 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         if self._adaptive is not None:
             self._adaptive.observe(plan.bs, plan.budget, tree.depth_probs, step.commit_lens)
             if self.settings.budget_trace:
-                contract.report_per_request(verified.logits_output, "ddtree_budget",
+                patches.report_per_request(verified.logits_output, "ddtree_budget",
                                             [plan.budget] * plan.bs)
         self._clock.mark("commit")
         result = contract.GenerationBatchResult(
