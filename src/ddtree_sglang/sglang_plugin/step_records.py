@@ -51,8 +51,9 @@ class Verified:
 
     logits_output: the target's LogitsProcessorOutput of the verify pass (hidden states for
         the draft KV; the logprob fields are filled at commit).
-    logits [bs * n, V]: the target's logits at every node, processed in place by the
-        sample-and-accept stage (grammar mask, penalties, logit adjustments).
+    logits [bs * n, V]: the target's raw logits at every node.  The sample-and-accept stage
+        processes this buffer in place (no copy of bs * n x V) and hands the result on as
+        Accepted.logits; read the processed values there, never here.
     grammar: the step's GrammarStep (grammar_stage.py): node masks built on the host while the
         verify pass runs and the greedy walks, None when no request has a grammar.
     """
@@ -67,8 +68,11 @@ class Verified:
 @dataclass(frozen=True)
 class Accepted:
     """The sample-and-accept stage's output: the target's choice at every node [bs, n], what
-    the step commits, and the batch's penalty settings (None: no request uses any)."""
+    the step commits, the batch's penalty settings (None: no request uses any) and the node
+    logits as the choice saw them [bs * n, V] (grammar mask, penalties, logit bias applied;
+    the committed tokens' logprobs are read off them)."""
 
     choice: torch.Tensor
     commit: StepCommit
     penalties: PenaltyParams | None
+    logits: torch.Tensor

@@ -382,7 +382,7 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         commit = StepCommit(*self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents,
                                                 lay.tree_depths, choice))
         self._clock.mark("sample + accept")
-        return Accepted(choice=choice, commit=commit, penalties=penalties)
+        return Accepted(choice=choice, commit=commit, penalties=penalties, logits=logits)
 
     def _commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
                 accepted: Accepted, on_publish):
@@ -397,7 +397,7 @@ class DDTreeWorker(contract.DFlashWorkerV2):
             on_publish(new_seq_lens)
         self._append_committed_features(batch, plan, verified, step)
         if batch.return_logprob:
-            self._add_logprobs(batch, verified, step)
+            self._add_logprobs(batch, verified.logits_output, accepted.logits, step)
         if self._adaptive is not None:
             self._adaptive.observe(plan.bs, plan.budget, tree.depth_probs, step.commit_lens)
             if self.settings.budget_trace:
@@ -433,15 +433,16 @@ class DDTreeWorker(contract.DFlashWorkerV2):
             cache_loc_2d=front_loc, commit_lens=step.commit_lens)
         verified.logits_output.hidden_states = None
 
-    def _add_logprobs(self, batch, verified: Verified, step: StepCommit) -> None:
-        """The committed tokens' logprobs (and top / token-id logprobs when asked) in the
-        layout SGLang's spec-v2 result processing reads: [bs, W] and bs * W rows."""
+    def _add_logprobs(self, batch, out, logits: torch.Tensor, step: StepCommit) -> None:
+        """The committed tokens' logprobs (and top / token-id logprobs when asked), read off
+        the processed node `logits` as plain decoding reads them, into the logits output `out`
+        in the layout SGLang's spec-v2 result processing reads: [bs, W] and bs * W rows."""
         si = batch.sampling_info
         temperatures = None if si is None or si.is_all_greedy or \
             contract.RETURN_ORIGINAL_LOGPROB else si.temperatures
-        row_lp, token_lp = committed_log_probs(verified.logits[:, : self.vocab_size],
+        row_lp, token_lp = committed_log_probs(logits[:, : self.vocab_size],
                                                step.feature_rows, step.tokens, temperatures)
-        out, width = verified.logits_output, self.out_width
+        width = self.out_width
         out.next_token_logprobs = token_lp
         if batch.top_logprobs_nums and any(k > 0 for k in batch.top_logprobs_nums):
             out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx = \
