@@ -596,7 +596,10 @@ def test_cell_minimums():
     assert serve_bench.cell_done(cfg(), 0.1, 8)  # no minimum: one round
     assert not serve_bench.cell_done(cfg(min_cell_seconds=30), 5.0, 1000)
     assert serve_bench.cell_done(cfg(min_cell_seconds=30), 31.0, 8)
-    assert serve_bench.cell_done(cfg(min_cell_seconds=30, min_cell_requests=256), 5.0, 256)
+    # time bounds a cell: a request count extends it, never ends it early
+    assert not serve_bench.cell_done(cfg(min_cell_seconds=30, min_cell_requests=256), 5.0, 256)
+    assert not serve_bench.cell_done(cfg(min_cell_seconds=30, min_cell_requests=256), 31.0, 255)
+    assert serve_bench.cell_done(cfg(min_cell_seconds=30, min_cell_requests=256), 31.0, 256)
     assert not serve_bench.cell_done(cfg(min_cell_requests=256), 100.0, 255)
 
 

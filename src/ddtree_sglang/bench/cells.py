@@ -1,9 +1,10 @@
 """Measuring a serving cell (one arm at one concurrency): repeated sustained loads, and the
 interleaved order that compares arms within a few percent.
 
-A cell is `repeats` measurements; each keeps `conc` requests in flight per replica until
-`min_cell_seconds` or `min_cell_requests` is reached (one round of requests where neither is
-set).  Measured one arm after another, a machine that drifts (another tenant, clocks, a host
+A cell is `repeats` measurements; each keeps `conc` requests in flight per replica until it
+has run `min_cell_seconds` and sent `min_cell_requests` (one round of requests where neither is
+set): time bounds a cell, a request count may extend it but never ends it early (at c = 64 a
+request count alone ended cells after half a second, too short to measure).  Measured one arm after another, a machine that drifts (another tenant, clocks, a host
 that gets slower for minutes: repeats of one cell have spread by up to a quarter)
 lands on whichever arm runs then, which a 3% bar cannot survive.  Interleaved, round r
 measures every arm once (starting at arm r mod n), so drift falls on every arm alike and each
@@ -19,12 +20,9 @@ from ddtree_sglang.bench.server_log import LogWindow, full_load_decode
 
 
 def cell_done(cfg, seconds: float, requests: int) -> bool:
-    """A cell has run long enough: one round when no minimum is set, else the first minimum
-    reached (seconds or requests)."""
-    if not cfg.min_cell_seconds and not cfg.min_cell_requests:
-        return True
-    return bool((cfg.min_cell_seconds and seconds >= cfg.min_cell_seconds) or
-                (cfg.min_cell_requests and requests >= cfg.min_cell_requests))
+    """A cell has run long enough: one round when no minimum is set, else every minimum set
+    reached (seconds and requests)."""
+    return seconds >= cfg.min_cell_seconds and requests >= cfg.min_cell_requests
 
 
 def requests_for(cfg, conc: int) -> int:

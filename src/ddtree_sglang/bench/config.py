@@ -145,10 +145,11 @@ class BenchConfig(_Strict):
                                "measured one at a time (in rounds with interleave); > 1 needs "
                                "max_total_tokens")
     requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
-    min_cell_seconds: float = Field(0.0, ge=0, description="keep sending rounds of "
-                                    "requests_per_level until a cell has run this long ...")
-    min_cell_requests: int = Field(0, ge=0, description="... or has sent this many requests "
-                                   "(whichever comes first; 0 and 0 = one round)")
+    min_cell_seconds: float = Field(0.0, ge=0, description="sustained load: a cell runs at "
+                                    "least this long ...")
+    min_cell_requests: int = Field(0, ge=0, description="... and sends at least this many "
+                                   "requests (a count extends a cell, never ends it early; "
+                                   "0 and 0 = one round of requests_per_level)")
     repeats: int = Field(1, ge=1, description="measure each cell this many times; the table "
                          "shows the median and the spread")
     warmup_per_cell: bool = Field(False, description="a warm-up round before every (arm, "

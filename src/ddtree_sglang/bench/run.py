@@ -380,7 +380,7 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
         arms = cfg.arms
         model, drafter = model_ref(cfg.model_path), model_ref(cfg.draft_model_path)
         if cfg.min_cell_seconds or cfg.min_cell_requests:
-            minimum = " or ".join(x for x in (
+            minimum = " and ".join(x for x in (
                 f"{cfg.min_cell_seconds:g} s" if cfg.min_cell_seconds else "",
                 f"{cfg.min_cell_requests} requests" if cfg.min_cell_requests else "") if x)
             cell = f"each cell a sustained load until {minimum}"
