@@ -1,6 +1,7 @@
 """The DDTREE decode step's stages (sglang_plugin/worker.py) on the CPU, with SGLang fakes:
 each stage's logic against a reference, the grammar traversal over DDTREE's tree, and the
 committed tokens' logprobs."""
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -72,17 +73,17 @@ def drafted(w, batch, plan: StepPlan) -> DraftedTree:
 def test_plan_clamps_finished_rows_and_takes_the_budget():
     w = make_worker()
     batch = make_batch(seq_lens=(5, 60))  # 60 + 9 verify tokens would pass the 64-slot row
-    plan = w._plan(batch)
+    plan = w._begin_step(batch)
     assert plan == StepPlan(bs=2, budget=B) and plan.width == B + 1
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
     w._adaptive = SimpleNamespace(choose=lambda bs: 3,
                                   start_step=lambda bs, b: calls.append((bs, b)))
-    assert w._plan(make_batch()).budget == 3 and calls == [(2, 3)]
+    assert w._begin_step(make_batch()).budget == 3 and calls == [(2, 3)]
     stale = make_batch()
     stale.spec_info = object()
     with pytest.raises(RuntimeError, match="DFlashDraftInputV2"):
-        w._plan(stale)
+        w._begin_step(stale)
 
 
 def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
@@ -129,7 +130,8 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     monkeypatch.setattr(wmod, "start_grammar_step", start)
     tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
     barrier = []
-    out = w._verify(make_batch(), StepPlan(2, 5), tree, lambda: barrier.append(1))
+    with w._verify_runtime(6):
+        out = w._verify(make_batch(), StepPlan(2, 5), tree, lambda: barrier.append(1))
     assert seen["runtime"] == ("narrow backend", "narrow graphs")
     assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
                                                                       "configured graphs")
@@ -141,7 +143,7 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
         raise RuntimeError("verify failed")
 
     w.target_worker.forward_batch_generation = broken
-    with pytest.raises(RuntimeError, match="verify failed"):
+    with pytest.raises(RuntimeError, match="verify failed"), w._verify_runtime(6):
         w._verify(make_batch(), StepPlan(2, 5), tree, None)
     assert runner.attn_backend == "configured backend"  # restored on failure too
 
@@ -287,15 +289,35 @@ def test_grammar_masked_tokens_get_the_lowest_finite_logprob():
 def test_a_decode_step_runs_its_stages_in_order(monkeypatch):
     w = make_worker()
     order = []
-    for name in ("_plan", "_draft", "_build_tree", "_verify", "_sample_and_accept", "_commit"):
+    for name in ("_begin_step", "_draft", "_build_tree", "_verify", "_sample_and_accept",
+                 "_commit", "_end_step"):
         monkeypatch.setattr(w, name, lambda *a, name=name: order.append(name) or name)
+    monkeypatch.setattr(w, "_begin_step", lambda b: order.append("_begin_step") or StepPlan(2, 5))
+    runtimes = []
+    monkeypatch.setattr(w, "_verify_runtime", lambda width: runtimes.append(width)
+                        or contextlib.nullcontext())
     batch = make_batch(forward_mode=SimpleNamespace(is_extend=lambda: False,
                                                     is_idle=lambda: False),
                        is_extend_in_batch=False)
     assert w.forward_batch_generation(batch) == "_commit"
-    assert order == ["_plan", "_draft", "_build_tree", "_verify", "_sample_and_accept",
-                     "_commit"]
+    assert order == ["_begin_step", "_draft", "_build_tree", "_verify", "_sample_and_accept",
+                     "_commit", "_end_step"]
+    assert runtimes == [6]  # the verify ran inside the plan's width runtime
     prefill = []
     monkeypatch.setattr(w, "_prefill", lambda *a: prefill.append(a) or "prefill")
     batch.is_extend_in_batch = True
     assert w.forward_batch_generation(batch) == "prefill" and len(prefill) == 1
+
+
+def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
+    w = make_worker()
+    observed, clock = [], []
+    w._adaptive = SimpleNamespace(observe=lambda *a: observed.append(a))
+    w._clock = SimpleNamespace(end=lambda: clock.append("end"))
+    commit_lens = torch.tensor([2, 3])
+    out = SimpleNamespace(customized_info=None)
+    tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
+    accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
+    w._end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
+    assert observed == [(2, 5, "probs", commit_lens)] and clock == ["end"]
+    assert out.customized_info == {"ddtree_budget": [5, 5]}

@@ -1,7 +1,10 @@
 """DDTreeWorker: SGLang's DFlash worker with the linear verify replaced by a draft tree.
 
 Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
-DFlashWorkerV2's.  A decode step runs five stages over the records of step_records.py:
+DFlashWorkerV2's.  A decode step (forward_batch_generation) begins (_begin_step: the batch's
+one change, the budget for this batch, the step clock), runs five stages over the records of
+step_records.py, the verify inside its width's runtime (_verify_runtime), and ends (_end_step:
+the budget controller's observation, the clock):
 
   draft             the block [bonus, MASK x (bs-1)] through the drafter once;
   build tree        the drafter's full distributions (through the target's lm_head) -> the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -255,12 +259,20 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
                 batch.forward_mode.is_idle():
             return self._prefill(batch, on_publish, grammar_barrier)
-        plan = self._plan(batch)
+        plan = self._begin_step(batch)
         hidden = self._draft(batch)
+        self._clock.mark("draft")
         tree = self._build_tree(batch, plan, hidden)
-        verified = self._verify(batch, plan, tree, grammar_barrier)
+        self._clock.mark("tree")
+        with self._verify_runtime(plan.width):
+            verified = self._verify(batch, plan, tree, grammar_barrier)
+        self._clock.mark("verify")
         accepted = self._sample_and_accept(batch, plan, tree, verified)
-        return self._commit(batch, plan, tree, verified, accepted, on_publish)
+        self._clock.mark("sample + accept")
+        result = self._commit(batch, plan, tree, verified, accepted, on_publish)
+        self._clock.mark("commit")
+        self._end_step(plan, tree, verified, accepted)
+        return result
 
     def _prefill(self, batch, on_publish, grammar_barrier):
         """The target's prefill pass, which also samples the first token (and computes input
@@ -293,8 +305,10 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         self.penalty_state.on_prefill(batch.reqs, first_tokens)
         return result
 
-    def _plan(self, batch) -> StepPlan:
-        """The step's batch and budget (host only)."""
+    def _begin_step(self, batch) -> StepPlan:
+        """The step's batch and budget; starts the step clock and the budget controller's
+        step.  The one place a decode step changes the batch it is given (seq_lens clamped,
+        below); _prepare_verify builds the verify's own spec input without touching it."""
         if not isinstance(batch.spec_info, contract.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
         if batch.seq_lens.is_cuda:  # made on the scheduler's stream, used on this one
@@ -313,11 +327,35 @@ class DDTreeWorker(contract.DFlashWorkerV2):
             adaptive.start_step(bs, budget)
         return StepPlan(bs=bs, budget=budget)
 
+    def _end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
+                  accepted: Accepted) -> None:
+        """The budget controller learns what the step committed (and each request's budget
+        is reported when traced); the step clock stops."""
+        if self._adaptive is not None:
+            self._adaptive.observe(plan.bs, plan.budget, tree.depth_probs,
+                                   accepted.commit.commit_lens)
+            if self.settings.budget_trace:
+                patches.report_per_request(verified.logits_output, "ddtree_budget",
+                                           [plan.budget] * plan.bs)
+        self._clock.end()
+
+    @contextmanager
+    def _verify_runtime(self, width: int):
+        """The target verifies through `width`'s attention backend and CUDA graphs (the
+        batch-aware budget's), and everything else through the configured width's again
+        afterwards, also when the verify fails."""
+        runner = self.target_worker.model_runner
+        configured = contract.verify_runtime(runner)
+        if self._adaptive is not None:
+            patches.set_verify_runtime(runner, self._adaptive.runtimes[width])
+        try:
+            yield
+        finally:
+            patches.set_verify_runtime(runner, configured)
+
     def _draft(self, batch) -> torch.Tensor:
         """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
-        hidden = self._draft_block(batch, batch.spec_info)
-        self._clock.mark("draft")
-        return hidden
+        return self._draft_block(batch, batch.spec_info)
 
     def _build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor) -> DraftedTree:
         """Drafter states -> the trees cut to the plan's budget; with a grammar in the batch,
@@ -331,29 +369,21 @@ class DDTreeWorker(contract.DFlashWorkerV2):
                 retrieve_next_token=layout.retrieve_next_token,
                 retrieve_next_sibling=layout.retrieve_next_sibling,
                 draft_token=layout.draft_tokens.view(plan.bs, plan.width))
-        self._clock.mark("tree")
         return DraftedTree(layout=layout, depth_probs=depth_probs, grammar_tree=grammar_tree)
 
     def _verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
-        """The target's pass over every tree node (through this width's runtime), and the
-        grammar bitmask over the same nodes, built on the host while that pass runs."""
-        target_runner = self.target_worker.model_runner
-        configured = contract.verify_runtime(target_runner)
-        if self._adaptive is not None:
-            patches.set_verify_runtime(target_runner, self._adaptive.runtimes[plan.width])
-        try:
-            verify_fb, can_run_graph = self._prepare_verify(batch, batch.spec_info, tree.layout)
-            target_out = self.target_worker.forward_batch_generation(
-                batch=None, forward_batch=verify_fb, is_verify=True)
-        finally:  # prefill and everything else see the configured width's runtime
-            patches.set_verify_runtime(target_runner, configured)
+        """The target's pass over every tree node (through the runtime the pipeline set, see
+        _verify_runtime), and the grammar's part of the step, built on the host while that
+        pass runs."""
+        verify_fb, can_run_graph = self._prepare_verify(batch, batch.spec_info, tree.layout)
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=verify_fb, is_verify=True)
         logits_output = target_out.logits_output
         grammar = None
         if tree.grammar_tree is not None:
             grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
                                          logits_output.next_token_logits.device,
                                          self.settings.grammar, self.mask_costs)
-        self._clock.mark("verify")
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=verify_fb, can_run_graph=can_run_graph, grammar=grammar)
 
@@ -381,7 +411,6 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size)
         commit = StepCommit(*self._accept_stage(lay.draft_tokens.view(bs, n), lay.tree_parents,
                                                 lay.tree_depths, choice))
-        self._clock.mark("sample + accept")
         return Accepted(choice=choice, commit=commit, penalties=penalties, logits=logits)
 
     def _commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
@@ -398,12 +427,6 @@ class DDTreeWorker(contract.DFlashWorkerV2):
         self._append_committed_features(batch, plan, verified, step)
         if batch.return_logprob:
             self._add_logprobs(batch, verified.logits_output, accepted.logits, step)
-        if self._adaptive is not None:
-            self._adaptive.observe(plan.bs, plan.budget, tree.depth_probs, step.commit_lens)
-            if self.settings.budget_trace:
-                patches.report_per_request(verified.logits_output, "ddtree_budget",
-                                            [plan.budget] * plan.bs)
-        self._clock.mark("commit")
         result = contract.GenerationBatchResult(
             logits_output=verified.logits_output,
             next_token_ids=step.tokens.reshape(-1),
@@ -415,7 +438,6 @@ class DDTreeWorker(contract.DFlashWorkerV2):
             new_seq_lens=new_seq_lens,
             extra_keep_alive_refs=[verified.forward_batch, tree.layout],
         )
-        self._clock.end()
         return result
 
     def _append_committed_features(self, batch, plan: StepPlan, verified: Verified,
