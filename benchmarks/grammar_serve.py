@@ -32,7 +32,7 @@ from ddtree_sglang.bench import cells, client, compare, run  # noqa: E402
 from ddtree_sglang.bench.config import Arm, BenchConfig  # noqa: E402
 from ddtree_sglang.bench.grammars import kind_names, sampling_constraint  # noqa: E402
 from ddtree_sglang.bench.server import stop_servers_on_sigterm  # noqa: E402
-from ddtree_sglang.cli import positive_int_list  # noqa: E402
+from ddtree_sglang.cli import positive_float, positive_int, positive_int_list  # noqa: E402
 
 ARMS = {
     "plain": Arm(name="plain"),
@@ -192,9 +192,10 @@ def main() -> None:
     ap.add_argument("--kinds", type=kinds_arg, default=kind_names("none,json,json_bounded,regex"),
                     help="comma list of grammar kinds (bench/grammars.py) and none")
     ap.add_argument("--concurrency", type=positive_int_list, default=[1, 16, 64])
-    ap.add_argument("--seconds", type=float, default=4.0, help="sustained load per cell")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--seconds", type=positive_float, default=4.0,
+                    help="sustained load per cell")
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
     ap.add_argument("--merge-from", type=Path, nargs="*", default=[],
                     help="earlier grammar_serve.json files whose cells join this table")
     ap.add_argument("--report-only", action="store_true", help="merge and report, run nothing")

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from ddtree_sglang.bench.grammars import KINDS, kind_names  # noqa: E402
+from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 from ddtree_sglang.grammar_masks import (TOP_K, PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          unpack_bitmask, walk_paths)
 from ddtree_sglang.layout import sibling_links  # noqa: E402
@@ -345,9 +346,10 @@ def main() -> None:
     ap.add_argument("--vocabs", default="testbed,tekken", help="comma list of testbed, tekken")
     ap.add_argument("--kinds", default="json,json_bounded,regex,ebnf,tool_call")
     ap.add_argument("--trees", default=",".join(TREES), help="comma list of " + ", ".join(TREES))
-    ap.add_argument("--episodes", type=int, default=6, help="simulated decodes per cell")
-    ap.add_argument("--batches", default="16,64")
-    ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--episodes", type=positive_int, default=6,
+                    help="simulated decodes per cell")
+    ap.add_argument("--batches", type=positive_int_list, default=[16, 64])
+    ap.add_argument("--workers", type=positive_int_list, default=[1, 2, 4])
     args = ap.parse_args()
     vocabs = [v for v in args.vocabs.split(",") if v]
     trees = [t for t in args.trees.split(",") if t]
@@ -365,7 +367,7 @@ def main() -> None:
 
     import xgrammar as xgr
 
-    workers = [int(w) for w in args.workers.split(",")]
+    workers = args.workers
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), command="python " + " ".join(sys.argv),
                          cpu=platform.processor() or platform.machine(),
                          cores=os.cpu_count(), xgrammar=version("xgrammar"),
@@ -381,7 +383,7 @@ def main() -> None:
                            **simulate(vocab, compiled, kind, t, args.episodes, seed=1))
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
-            for b in map(int, args.batches.split(",")):
+            for b in args.batches:
                 res["threads"].append(dict(vocab=vocab.name, kind=kind, batch=b, us={
                     str(w): threads_table(vocab, compiled, kind, b, w, seed=2) for w in workers}))
                 print(json.dumps(res["threads"][-1]), flush=True)

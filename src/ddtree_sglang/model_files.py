@@ -24,6 +24,12 @@ def is_hub_id(ref: str) -> bool:
     return bool(HUB_ID.match(ref)) and not ref.startswith((".", "/", "~"))
 
 
+def names_hub_repo(ref: str) -> bool:
+    """`ref` is read from the hub: a repo id with no local path of that name (a local path
+    always wins, as in SGLang and transformers)."""
+    return is_hub_id(ref) and not Path(ref).expanduser().exists()
+
+
 def model_dir(ref: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """The directory holding `ref`'s config.json: `ref` itself when it exists locally, else
     the hub cache's snapshot of the repo `ref` (config.json downloaded unless offline)."""

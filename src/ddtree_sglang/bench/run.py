@@ -35,7 +35,7 @@ from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError,
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
 from ddtree_sglang.cli import (CliError, Parser, index_list, positive_int,
                               positive_int_list, run)
-from ddtree_sglang.model_files import is_hub_id
+from ddtree_sglang.model_files import names_hub_repo
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
 
 
@@ -63,7 +63,7 @@ def _abs(p: str) -> str:
 def model_ref(p: str) -> str:
     """A config's model as the servers get it: a hub ID stays one (SGLang resolves it through
     the Hugging Face cache) unless a local folder of that name exists; a path is made absolute."""
-    return p if is_hub_id(p) and not Path(p).exists() else _abs(p)
+    return p if names_hub_repo(p) else _abs(p)
 
 
 def input_status(what: str, ref: str) -> tuple[str, str | None]:
@@ -72,7 +72,7 @@ def input_status(what: str, ref: str) -> tuple[str, str | None]:
     if ref in DATASETS:
         name = DATASETS[ref][0]
         return f"{what} {ref}: the {name} dataset, downloaded by `datasets` on first use", None
-    if is_hub_id(ref) and not Path(ref).exists():
+    if names_hub_repo(ref):
         from huggingface_hub import constants, try_to_load_from_cache
 
         cached = try_to_load_from_cache(ref, "config.json")

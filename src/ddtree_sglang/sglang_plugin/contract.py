@@ -127,11 +127,9 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("batch", "forward_batch", "is_verify", "capture_hidden_mode"),
     "sglang.srt.model_executor.forward_batch_info.compute_position":
         ("attn_backend", "extend_prefix_lens", "extend_seq_lens", "extend_seq_lens_sum"),
-    # structured output through the tree (worker.DDTreeWorker._build_tree / _verify)
+    # structured output through the tree (worker.DDTreeWorker._build_tree, grammar_stage.py)
     "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
-    "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask":
-        ("reqs", "tree", "sampling_info", "device", "barrier"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
     "sglang.srt.speculative.spec_utils.traverse_tree":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens", "grammar",
@@ -250,7 +248,6 @@ NAMES = {
     "merge_state_triton": "sglang.kernels.ops.attention.merge_state.merge_state_triton",
     "compute_position": "sglang.srt.model_executor.forward_batch_info.compute_position",
     "GrammarTree": "sglang.srt.speculative.spec_utils.GrammarTree",
-    "build_grammar_vocab_mask": "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask",
     "GrammarMask": "sglang.srt.constrained.base_grammar_backend.GrammarMask",
     "XGrammarGrammar": "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar",
     "traverse_tree": "sglang.srt.speculative.spec_utils.traverse_tree",
@@ -287,53 +284,52 @@ def resolve(path: str):
 
 def contract_violations() -> list[str]:
     """Human-readable list of contract entries the installed SGLang does not satisfy."""
-    problems = []
-    for path, params in CONTRACT.items():
-        try:
-            obj = resolve(path)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{path}: missing ({exc})")
-            continue
-        if not params:
-            continue
-        try:
-            sig = inspect.signature(obj)
-        except (TypeError, ValueError):
-            problems.append(f"{path}: no inspectable signature")
-            continue
-        missing = [p for p in params if p not in sig.parameters]
-        if missing:
-            problems.append(f"{path}: parameters {missing} not in {list(sig.parameters)}")
-    for path, names in OVERRIDES.items():
-        try:
-            cls = resolve(path)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{path}: missing ({exc})")
-            continue
-        gone = [n for n in names if not callable(getattr(cls, n, None))]
-        if gone:
-            problems.append(f"{path}: methods {gone} that DDTREE overrides are gone (its "
-                            "override would never be called)")
-    for path, (digest, copy) in COPIED.items():
-        try:
-            now = source_digest(resolve(path))
-        except (ImportError, AttributeError, OSError, TypeError) as exc:
-            problems.append(f"{path}: missing ({exc})")
-            continue
-        if now != digest:
-            problems.append(f"{path}: changed since DDTREE copied it (source sha256 {now}, "
-                            f"copied from {digest}); review the copy in {copy}")
-    for path, names in ATTRIBUTES.items():
-        try:
-            cls = resolve(path)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{path}: missing ({exc})")
-            continue
-        known = instance_attributes(cls)
-        missing = [n for n in names if n not in known and not hasattr(cls, n)]
-        if missing:
-            problems.append(f"{path}: attributes {missing} not found")
+    problems: list[str] = []
+    for table, check in ((CONTRACT, _parameter_problem), (OVERRIDES, _override_problem),
+                         (COPIED, _copy_problem), (ATTRIBUTES, _attribute_problem)):
+        for path, expected in table.items():
+            try:
+                obj = resolve(path)
+            except (ImportError, AttributeError) as exc:
+                problems.append(f"{path}: missing ({exc})")
+                continue
+            problem = check(obj, expected)
+            if problem:
+                problems.append(f"{path}: {problem}")
     return problems
+
+
+def _parameter_problem(obj, params: tuple[str, ...]) -> str | None:
+    if not params:
+        return None
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "no inspectable signature"
+    missing = [p for p in params if p not in sig.parameters]
+    return f"parameters {missing} not in {list(sig.parameters)}" if missing else None
+
+
+def _override_problem(cls, names: tuple[str, ...]) -> str | None:
+    gone = [n for n in names if not callable(getattr(cls, n, None))]
+    return (f"methods {gone} that DDTREE overrides are gone (its override would never be "
+            "called)") if gone else None
+
+
+def _copy_problem(obj, copied: tuple[str, str]) -> str | None:
+    digest, copy = copied
+    try:
+        now = source_digest(obj)
+    except (OSError, TypeError) as exc:
+        return f"missing ({exc})"
+    return (f"changed since DDTREE copied it (source sha256 {now}, copied from {digest}); "
+            f"review the copy in {copy}") if now != digest else None
+
+
+def _attribute_problem(cls, names: tuple[str, ...]) -> str | None:
+    known = instance_attributes(cls)
+    missing = [n for n in names if n not in known and not hasattr(cls, n)]
+    return f"attributes {missing} not found" if missing else None
 
 
 def source_digest(obj) -> str:

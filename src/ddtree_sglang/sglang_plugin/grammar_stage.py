@@ -2,7 +2,7 @@
 tree masks built while the verify pass runs, and the greedy path walk after it
 (ddtree_sglang.grammar_masks holds the algorithm and why it is exact).
 
-SGLANG_DDTREE_GRAMMAR picks the method:
+SGLANG_DDTREE_GRAMMAR picks the method (settings.GRAMMAR_METHODS):
   tree    every constrained request's node masks by xgrammar's native traversal;
   path    greedy requests without logprobs walk their accepted path, the others as `tree`;
   auto    per request and step: a greedy request walks its path where its tree masks cost the
@@ -32,7 +32,6 @@ from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tr
                                          follow_paths)
 from ddtree_sglang.sglang_plugin import contract
 
-GRAMMAR_METHODS = ("tree", "path", "auto", "python")
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
 THREAD_ABOVE_US = 200.0  # tree masks this costly go to the thread pool
 DECAY = 0.9
@@ -113,8 +112,8 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
             walks.append(PathWalk(matcher, next_token[i].tolist(), next_sibling[i].tolist(),
                                   tokens[i].tolist()))
             costs.walked(req.rid)
-        else:
-            masked.append((i, req, matcher))
+        else:  # the python method takes SGLang's traversal for every request
+            masked.append((i, req, matcher if method != "python" else None))
     costs.keep_only({r.rid for r in reqs if r.grammar is not None})
     if not masked and not walks:
         return None
@@ -126,19 +125,20 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
             i, req, matcher = job
             rows = bitmask[i * width:(i + 1) * width]
             t0 = time.perf_counter()
-            if matcher is not None and method != "python":
+            if matcher is not None:
                 fill_tree_masks(matcher, next_token[i], next_sibling[i], tokens[i], rows)
             else:
                 contract.traverse_tree(next_token[i], next_sibling[i], tokens[i], req.grammar,
                                        rows, vocab_size=vocab)
             costs.us[req.rid] = (time.perf_counter() - t0) * 1e6
 
-        costly = [j for j in masked if j[2] is not None and method != "python"
-                  and costs.estimate(j[1].rid) > THREAD_ABOVE_US]
-        threaded = costly if len(costly) > 1 else []
-        futures = [costs.threads().submit(fill, job) for job in threaded]
-        for job in masked:  # the cheap ones here meanwhile
-            if not any(job is t for t in threaded):
+        costly = [j[2] is not None and costs.estimate(j[1].rid) > THREAD_ABOVE_US
+                  for j in masked]
+        on_threads = sum(costly) > 1
+        futures = [costs.threads().submit(fill, job) for job, c in zip(masked, costly)
+                   if c and on_threads]
+        for job, c in zip(masked, costly):  # the cheap ones here meanwhile
+            if not (c and on_threads):
                 fill(job)
         for f in futures:
             f.result()

@@ -179,7 +179,7 @@ def backend_to_default(args: Any) -> str | None:
     return DEFAULT_TREE_BACKEND
 
 
-def _drafter_and_budget_errors(args: Any) -> list[str]:
+def _drafter_and_budget_errors(args: Any, hf: dict) -> list[str]:
     """The drafter, the block size, the budget and the DDTREE knobs, each judged on its own so
     that one problem does not hide the next."""
     errors: list[str] = []
@@ -200,7 +200,7 @@ def _drafter_and_budget_errors(args: Any) -> list[str]:
     except DDTreeConfigError as exc:
         errors.append(str(exc))
     if cfg is not None:
-        taps = tap_error(cfg.target_layer_ids, _target_hf_config(args))
+        taps = tap_error(cfg.target_layer_ids, hf)
         if taps:
             errors.append(taps)
     return errors
@@ -212,7 +212,8 @@ def validate(args: Any) -> None:
     device = str(_get(args, "device") or "cuda")
     if not device.startswith("cuda"):
         errors.append(f"DDTREE runs on CUDA GPUs only; got --device {device}")
-    errors += _drafter_and_budget_errors(args)
+    hf = _target_hf_config(args)  # read once: a hub ID may cost a download of config.json
+    errors += _drafter_and_budget_errors(args, hf)
     errors += _backend_errors(args)
     page = _get(args, "page_size")
     if page not in (None, 1):
@@ -235,7 +236,6 @@ def validate(args: Any) -> None:
         errors.append("DDTREE does not support --speculative-adaptive (accepted: off)")
     if _get(args, "enable_lora"):
         errors.append("DDTREE does not support LoRA adapters (accepted: --enable-lora off)")
-    hf = _target_hf_config(args)
     reason = hybrid_reason(hf)
     if reason:
         errors.append(f"DDTREE does not support hybrid (mamba / linear-attention) targets: "

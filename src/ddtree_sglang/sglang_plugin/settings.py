@@ -32,6 +32,7 @@ BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
 TREE_KERNEL_ENV = "SGLANG_DDTREE_TREE_KERNEL"
 CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
 GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
+GRAMMAR_METHODS = ("tree", "path", "auto", "python")  # sglang_plugin/grammar_stage.py
 DEFAULT_EXPLORE_EVERY = 32
 DEFAULT_MIN_GAIN = 0.03
 
@@ -116,7 +117,7 @@ _KNOB_LIST = (
          "the tree verify attention with the triton backend"),
     Knob(CUDA_GRAPH_TREE_ENV, "1", _choice(CUDA_GRAPH_TREE_ENV, ("1", "0")),
          "CUDA graphs for the tree and acceptance stages"),
-    Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, ("tree", "path", "auto", "python")),
+    Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, GRAMMAR_METHODS),
          "structured output's masks: native per node (tree), along the accepted path for "
          "greedy requests (path), path where a request's tree masks are costly (auto), or "
          "SGLang's Python traversal (python)"),

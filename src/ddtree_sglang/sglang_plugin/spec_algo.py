@@ -28,7 +28,7 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
     def supports_grammar_overlap(self) -> bool:
         # As DFLASH: the worker advances the grammars through the scheduler's barrier while the
-        # verify pass runs (build_grammar_vocab_mask), so grammar batches keep overlap.
+        # verify pass runs (grammar_stage.start_grammar_step), so grammar batches keep overlap.
         return True
 
     # Called by the 0.5.17 scheduler on every algorithm but missing from CustomSpecAlgo.

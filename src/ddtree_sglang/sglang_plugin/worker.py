@@ -22,8 +22,9 @@ the budget controller's observation, the clock):
   commit            the accepted nodes' target KV moves to the committed positions, their
                     hidden states enter the draft KV, and the committed tokens' logprobs are
                     read off the same node logits when asked.
-No stage reads tensors back to the host, except the greedy grammar walk (SGLANG_DDTREE_GRAMMAR=path,
-in steps with greedy constrained requests only), which reads the target's top-K per node.
+No stage reads tensors back to the host, except the greedy grammar walk (SGLANG_DDTREE_GRAMMAR
+path or auto, in steps where a greedy constrained request walks), which reads the target's
+top-K per node.
 Prefill is DFLASH's, run here so that requests with logprobs are served too.
 """
 
