@@ -14,7 +14,7 @@ pytest.importorskip("sglang")
 from ddtree_sglang.bench.grammars import KINDS  # noqa: E402
 from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks  # noqa: E402
 from ddtree_sglang.layout import sibling_links  # noqa: E402
-from ddtree_sglang.sglang_plugin import contract  # noqa: E402
+from ddtree_sglang.sglang_plugin import sglang_api as sg  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import (WALK_ABOVE_US, MaskCosts,  # noqa: E402
                                                        build_grammar_step)
 
@@ -38,7 +38,7 @@ def request(rid, compiled, vocab, sample, top_k=1, logprobs=False):
     m = xgr.GrammarMatcher(compiled)
     for t in sample[:6]:
         assert m.accept_token(t)
-    grammar = contract.XGrammarGrammar(m, vocab, compiled, None)
+    grammar = sg.XGrammarGrammar(m, vocab, compiled, None)
     return SimpleNamespace(rid=rid, grammar=grammar, return_logprob=logprobs,
                            sampling_params=SimpleNamespace(top_k=top_k))
 

@@ -25,9 +25,9 @@ def hooks_loaded():
 
 @pytest.fixture
 def serving_ddtree(monkeypatch):
-    from ddtree_sglang.sglang_plugin import contract
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
 
-    monkeypatch.setattr(contract, "runtime_spec",
+    monkeypatch.setattr(sg, "runtime_spec",
                         lambda: SimpleNamespace(speculative_algorithm="DDTREE",
                                                 speculative_num_draft_tokens=33))
 
@@ -69,9 +69,9 @@ def test_eos_inside_a_commit_that_crosses_max_new_tokens(hooks_loaded, serving_d
 
 def test_unhooked_sglang_ends_such_a_commit_with_length(hooks_loaded, monkeypatch):
     """What the hook fixes (it stands down for other algorithms): SGLang 0.5.17 alone."""
-    from ddtree_sglang.sglang_plugin import contract
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
 
-    monkeypatch.setattr(contract, "runtime_spec",
+    monkeypatch.setattr(sg, "runtime_spec",
                         lambda: SimpleNamespace(speculative_algorithm="DFLASH"))
     req = _req(7)
     _commit(req, [10, 11])
@@ -130,10 +130,10 @@ def test_sliding_window_targets_are_refused(tmp_path, cfg, refused):
 def test_kv_reservation_stays_inside_the_row(monkeypatch, serving_ddtree):
     """committed + 2N is capped at the req_to_token row width; the allocated watermark
     never shrinks."""
-    from ddtree_sglang.sglang_plugin import contract, draft_input
+    from ddtree_sglang.sglang_plugin import draft_input, sglang_api as sg
 
     seen = {}
-    monkeypatch.setattr(contract, "alloc_for_spec_decode",
+    monkeypatch.setattr(sg, "alloc_for_spec_decode",
                         lambda *a, **kw: seen.update(kw))
     width = 256 + 4 + 33  # context 256
     reqs = [SimpleNamespace(kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))

@@ -175,7 +175,7 @@ def test_ddtree_serves_logprobs_and_grammars_and_keeps_dflash_s_other_checks(plu
     """The request hook lets logprobs and constrained decoding through under DDTREE (DFLASH
     refuses logprobs), still refuses what DFLASH's own check refuses (hidden states under
     overlap), and leaves DFLASH's behaviour alone."""
-    from ddtree_sglang.sglang_plugin import contract, plugin
+    from ddtree_sglang.sglang_plugin import plugin, sglang_api as sg
     from sglang.srt.speculative import dflash_utils
 
     req = SimpleNamespace(return_logprob=True, return_hidden_states=False,
@@ -183,7 +183,7 @@ def test_ddtree_serves_logprobs_and_grammars_and_keeps_dflash_s_other_checks(plu
                           sampling_params=SimpleNamespace(json_schema='{"type": "object"}',
                                                           regex=None, ebnf=None,
                                                           structural_tag=None))
-    monkeypatch.setattr(contract, "runtime_spec",
+    monkeypatch.setattr(sg, "runtime_spec",
                         lambda: SimpleNamespace(speculative_algorithm="DDTREE"))
     assert dflash_utils.validate_dflash_request(req, True) is None
     assert req.return_logprob is True  # the request itself is untouched
@@ -193,7 +193,7 @@ def test_ddtree_serves_logprobs_and_grammars_and_keeps_dflash_s_other_checks(plu
     assert "return_hidden_states" in dflash_utils.validate_dflash_request(req, True)
     req.return_hidden_states, req.origin_input_ids = False, [1, 12]
     assert "token id 12 at position 1" in dflash_utils.validate_dflash_request(req, True)
-    monkeypatch.setattr(contract, "runtime_spec",
+    monkeypatch.setattr(sg, "runtime_spec",
                         lambda: SimpleNamespace(speculative_algorithm="DFLASH"))
     assert "DFLASH" in dflash_utils.validate_dflash_request(req, True)  # DFLASH's own refusal
     # The scheduler's own binding is the hooked one.
@@ -271,50 +271,53 @@ def test_drafter_forward_keeps_its_embeds_dtype():
         model.forward(None, None, None)
 
 
-def test_worker_reaches_sglang_and_the_core_through_one_seam():
-    """worker.py imports the core only through its step modules, and names SGLang only
-    through the contract and the patches (whose names resolve against the installed SGLang)."""
+def _imports(path: Path) -> set[str]:
+    """The modules a source file imports from (`from m import ...` and `import m`)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_the_step_reaches_sglang_and_the_core_through_one_seam():
+    """The decode step (worker.py) imports the core only through its step modules; only
+    sglang_api.py imports SGLang, and each name it imports from SGLang is vouched for by the
+    contract (an entry of its own, or the class of one)."""
     import ast
 
     from ddtree_sglang.sglang_plugin import contract
 
-    src = (ROOT / "src" / "ddtree_sglang" / "sglang_plugin" / "worker.py").read_text()
-    modules = set()
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.ImportFrom):
-            modules.add(node.module)
-        elif isinstance(node, ast.Import):
-            modules |= {a.name for a in node.names}
+    plugin_dir = ROOT / "src" / "ddtree_sglang" / "sglang_plugin"
+    modules = _imports(plugin_dir / "worker.py")
     core = {m for m in modules if m.startswith("ddtree_sglang") and
             not m.startswith("ddtree_sglang.sglang_plugin")}
-    assert core == {"ddtree_sglang.decode_step", "ddtree_sglang.graphed", "ddtree_sglang.sampling",
-                    "ddtree_sglang.kernel_choice", "ddtree_sglang.logprobs"}
+    assert core == {"ddtree_sglang.decode_step", "ddtree_sglang.sampling",
+                    "ddtree_sglang.logprobs"}
     assert not {m for m in modules if m.startswith(("sglang", "sgl_kernel"))}
-    for name, path in contract.NAMES.items():
-        if not path.startswith("sgl_kernel"):  # imports only where CUDA is
-            assert getattr(contract, name) is contract.resolve(path)
-    with pytest.raises(AttributeError):
-        contract.NoSuchName  # noqa: B018
-    # and no other module of the package imports SGLang itself
-    boundary = {"contract.py", "patches.py"}
+    api = plugin_dir / "sglang_api.py"
+    vouched = set(contract.CONTRACT) | set(contract.OVERRIDES) | set(contract.ATTRIBUTES)
+    vouched |= {p.rsplit(".", 1)[0] for p in contract.CONTRACT}  # a method's or value's class
+    imported = [f"{n.module}.{a.name}" for n in ast.walk(ast.parse(api.read_text()))
+                if isinstance(n, ast.ImportFrom) and n.module.startswith("sglang")
+                for a in n.names]
+    assert len(imported) > 30 and [p for p in imported if p not in vouched] == []
+    # no other module of the package imports SGLang itself
     direct = [str(f.relative_to(ROOT)) for f in (ROOT / "src" / "ddtree_sglang").rglob("*.py")
-              if f.name not in boundary and re.search(r"^\s*(from|import) (sglang|sgl_kernel)\b",
-                                                       f.read_text(), re.M)]
+              if f.name != "sglang_api.py" and re.search(
+                  r"^\s*(from|import) (sglang|sgl_kernel)\b", f.read_text(), re.M)]
     assert direct == []
+    assert not hasattr(contract, "__getattr__")  # nothing resolved by string at run time
 
 
 def test_core_has_no_import_of_the_plugin_and_kernels_no_import_of_the_tree():
     """The engine-agnostic core never imports the SGLang adapter, and the kernels import only
     the tree's types (draft_tree.py), so no import loop hides behind lazy imports."""
-    import ast
-
-    def imports(path: Path) -> set[str]:
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
-        return found
-
+    imports = _imports
     pkg = ROOT / "src" / "ddtree_sglang"
     for f in (pkg / "kernels").glob("*.py"):
         own = {m for m in imports(f) if m.startswith("ddtree_sglang")}
@@ -373,7 +376,7 @@ def test_verify_attention_is_installed_on_the_triton_backend_only():
     wrapped one (kernel_choice checked it); any other backend is refused by name."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    from ddtree_sglang.sglang_plugin import contract, patches
+    from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 
     def single(*a, **k):
         return "single"
@@ -389,14 +392,14 @@ def test_verify_attention_is_installed_on_the_triton_backend_only():
     patches.wrap_verify_attention(backend, wrap)
     assert backend.extend_attention_fwd() == "split"
     assert seen[0][0] is single and seen[0][2] == ("q_extend", "k_extend")
-    assert seen[0][1] is contract.resolve(contract.NAMES["merge_state_triton"])
+    assert seen[0][1] is sg.merge_state_triton
 
     class Other:
         extend_attention_fwd = single
 
     with pytest.raises(RuntimeError, match="backend is Other"):
         patches.wrap_verify_attention(Other(), wrap)
-    assert contract.is_triton_attention(backend) and not contract.is_triton_attention(Other())
+    assert sg.is_triton_attention(backend) and not sg.is_triton_attention(Other())
 
 
 
@@ -427,31 +430,60 @@ def test_every_startup_problem_listed_together_before_sglang_s_traceback(plugin_
 
 def test_contract_covers_overrides_and_copied_source(monkeypatch):
     """Every method DDTREE overrides is listed under its parent (so the table stays complete),
-    and a renamed parent method or a changed copied method is refused at startup."""
-    from ddtree_sglang.sglang_plugin import contract, draft_input, spec_algo, worker
+    and an SGLang whose overridden method was renamed, or whose copied method changed, is
+    refused when SGLang asks for the worker, before the worker module is imported."""
+    from ddtree_sglang.sglang_plugin import (contract, draft_input, plugin, sglang_api as sg,
+                                             spec_algo, startup)
 
     def overridden(sub, *parents):
         return {n for n, v in vars(sub).items() if callable(v) and not n.startswith("__")
                 and any(hasattr(p, n) for p in parents)}
 
     table = {k.rsplit(".", 1)[1]: set(v) for k, v in contract.OVERRIDES.items()}
-    assert overridden(spec_algo.DDTreeSpecAlgo, contract.resolve(
-        "sglang.srt.speculative.spec_registry.CustomSpecAlgo"), contract.SpeculativeAlgorithm) \
+    assert overridden(spec_algo.DDTreeSpecAlgo, sg.CustomSpecAlgo, sg.SpeculativeAlgorithm) \
         == table["CustomSpecAlgo"] | table["SpeculativeAlgorithm"]
-    assert overridden(worker.DDTreeWorker, contract.DFlashWorkerV2) == table["DFlashWorkerV2"]
-    assert overridden(draft_input.DDTreeDraftInput, contract.DFlashDraftInputV2) \
+    assert overridden(startup.DDTreeWorker, sg.DFlashWorkerV2) == table["DFlashWorkerV2"]
+    assert overridden(draft_input.DDTreeDraftInput, sg.DFlashDraftInputV2) \
         == table["DFlashDraftInputV2"]
     assert contract.contract_violations() == []
+    assert plugin._worker_factory(None) is startup.DDTreeWorker
 
-    parent = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
-    monkeypatch.setitem(contract.OVERRIDES, parent,
-                        contract.OVERRIDES[parent] + ("_make_next_draft_input_prefil",))
-    copied = next(iter(contract.COPIED))
-    monkeypatch.setitem(contract.COPIED, copied, ("0" * 16, contract.COPIED[copied][1]))
+    # an SGLang that renamed a method DDTREE overrides, and changed the one it copies
+    renamed = sg.DFlashWorkerV2._make_next_draft_input_prefill
+    monkeypatch.delattr(sg.DFlashWorkerV2, "_make_next_draft_input_prefill")
+    monkeypatch.setattr(sg.DFlashWorkerV2, "_make_next_draft_input_prefil", renamed,
+                        raising=False)
+
+    def prepare_for_decode(self, batch):  # a different body than the one copied
+        return None
+
+    monkeypatch.setattr(sg.DFlashDraftInputV2, "prepare_for_decode", prepare_for_decode)
     problems = contract.contract_violations()
-    assert any("methods ['_make_next_draft_input_prefil'] that DDTREE overrides are gone" in p
+    assert any("methods ['_make_next_draft_input_prefill'] that DDTREE overrides are gone" in p
                for p in problems)
+    copied = next(iter(contract.COPIED))
     assert any(p.startswith(copied) and "changed since DDTREE copied it" in p
                and "draft_input.py" in p for p in problems)
     with pytest.raises(RuntimeError, match="lacks internals"):
-        contract.check_contract()
+        plugin._worker_factory(None)
+
+
+def test_the_package_s_imports_have_no_cycle():
+    """Imports flow one way (kernels, then core, then plugin): the graph of the package's own
+    module imports, lazy ones included, has no cycle."""
+    import ast
+    import graphlib
+
+    pkg = ROOT / "src"
+    files = {".".join(f.relative_to(pkg).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in (pkg / "ddtree_sglang").rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        edges = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddtree_sglang"):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(files)
+                edges |= subs or {node.module}  # `from pkg import module` names the module
+        graph[name] = edges - {name}
+    assert len(graph["ddtree_sglang.sglang_plugin.startup"]) > 10
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle

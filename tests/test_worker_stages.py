@@ -1,7 +1,8 @@
-"""The DDTREE decode step's stages (sglang_plugin/worker.py) on the CPU, with SGLang fakes:
-each stage's logic against a reference, the grammar traversal over DDTREE's tree, and the
-committed tokens' logprobs."""
+"""The DDTREE decode step (sglang_plugin/worker.py) on the CPU, built from its parts with
+SGLang fakes: each stage's logic against a reference, the grammar traversal over DDTREE's
+tree, and the committed tokens' logprobs."""
 import contextlib
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -10,43 +11,64 @@ import torch
 pytest.importorskip("sglang")
 
 from ddtree_sglang.decode_step import StepCommit, accept_stage, tree_stage  # noqa: E402
-from ddtree_sglang.graphed import GraphedFunction  # noqa: E402
 from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
 from ddtree_sglang.layout import VerifyLayout  # noqa: E402
-from ddtree_sglang.sglang_plugin import contract, worker as wmod  # noqa: E402
+from ddtree_sglang.sglang_plugin import sglang_api as sg, worker as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts  # noqa: E402
-from ddtree_sglang.sglang_plugin.host_timing import NoClock  # noqa: E402
+from ddtree_sglang.sglang_plugin.model_io import draft_logits  # noqa: E402
+from ddtree_sglang.sglang_plugin.request_state import PenaltyState  # noqa: E402
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
 from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # noqa: E402
                                                       Verified)
+from ddtree_sglang.sglang_plugin.tree_stages import TreeStages  # noqa: E402
 from ddtree_sglang.tree import build_draft_tree  # noqa: E402
 
 V, H, BLOCK, B = 40, 8, 4, 8  # vocab, hidden, draft block (depth 3), budget
 ROW = 64  # slots of a request's req_to_token row
 
 
-def make_worker(budget: int = B) -> wmod.DDTreeWorker:
-    """A DDTreeWorker with the state its stages read, built without SGLang's GPU start-up."""
-    w = wmod.DDTreeWorker.__new__(wmod.DDTreeWorker)
-    w.settings = DDTreeSettings.from_values(budget, BLOCK, environ={})
-    w.kernels = Kernels()
-    w.budget, w.verify_width = budget, budget + 1
-    w.block_size, w.depth, w.out_width = BLOCK, BLOCK - 1, BLOCK
-    w.budgets, w._adaptive, w.vocab_size, w.device = [budget], None, V, "cpu"
-    w._clock, w._penalty_state, w._kv_move_buffers = NoClock(), None, False
-    w.mask_costs = MaskCosts()
-    w.ps = SimpleNamespace(tp_rank=0)
-    w._tree_stage = GraphedFunction(w._build_tree_stage, "tree", False)
-    w._accept_stage = GraphedFunction(w._run_accept_stage, "accept", False)
-    gen = torch.Generator().manual_seed(0)
-    lm_head = SimpleNamespace(weight=torch.randn(V, H, generator=gen))
-    w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
-        model=SimpleNamespace(lm_head=lm_head), attn_backend="configured backend",
-        decode_cuda_graph_runner="configured graphs"))
-    w.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
-        req_to_token=torch.zeros(6, ROW, dtype=torch.int32)))
-    return w
+class FakeIO:
+    """The step's model I/O (model_io.ModelIO) without models: records what the step asks."""
+
+    def __init__(self) -> None:
+        self.target_runner = SimpleNamespace(attn_backend="configured backend",
+                                             decode_cuda_graph_runner="configured graphs")
+        self.calls: list = []
+        self.verify_out = None
+
+    def max_step_seq_len(self) -> int:
+        return ROW - (B + 1)
+
+    def draft_block(self, batch, draft_input):
+        self.calls.append(("draft", draft_input))
+        return torch.randn(len(batch.seq_lens), BLOCK, H)
+
+    def target_verify(self, batch, draft_input, layout):
+        self.calls.append(("verify", (self.target_runner.attn_backend,
+                                      self.target_runner.decode_cuda_graph_runner)))
+        return self.verify_out, "verify batch", True, "slots"
+
+    def move_accepted_kv(self, batch, out_cache_loc, step, n):
+        self.calls.append(("move", out_cache_loc, n))
+
+    def append_committed_features(self, out_cache_loc, seq_lens, plan, logits_output, step):
+        self.calls.append(("features", out_cache_loc))
+
+    def next_draft_input(self, bonus_tokens, seq_lens):
+        return make_draft_input(bonus_tokens, seq_lens)
+
+
+LM_HEAD = SimpleNamespace(weight=torch.randn(V, H, generator=torch.Generator().manual_seed(0)))
+
+
+def make_step(budget: int = B, adaptive=None, clock=None) -> wmod.DecodeStep:
+    """A DecodeStep from its parts: settings, vocabulary, fake I/O, eager tree stages."""
+    settings = DDTreeSettings.from_values(budget, BLOCK, environ={})
+    stages = TreeStages(Kernels(), budget, BLOCK - 1, BLOCK,
+                        functools.partial(draft_logits, LM_HEAD, vocab_size=V), graphed=False)
+    return wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
+                           MaskCosts(), adaptive, clock)
 
 
 def plain_request() -> SimpleNamespace:
@@ -67,31 +89,36 @@ def make_batch(bs: int = 2, seq_lens=(5, 9), **fields) -> SimpleNamespace:
 
 def drafted(w, batch, plan: StepPlan) -> DraftedTree:
     hidden = torch.randn(plan.bs, BLOCK, H, generator=torch.Generator().manual_seed(1))
-    return w._build_tree(batch, plan, hidden)
+    return w.build_tree(batch, plan, hidden)
+
+
+def plan_of(batch, budget: int = B) -> StepPlan:
+    return StepPlan(len(batch.seq_lens), budget, batch.spec_info)
 
 
 def test_plan_clamps_finished_rows_and_takes_the_budget():
-    w = make_worker()
+    w = make_step()
     batch = make_batch(seq_lens=(5, 60))  # 60 + 9 verify tokens would pass the 64-slot row
-    plan = w._begin_step(batch)
-    assert plan == StepPlan(bs=2, budget=B) and plan.width == B + 1
+    relay = batch.spec_info
+    plan = w.begin_step(batch)
+    assert plan == StepPlan(bs=2, budget=B, draft_input=relay) and plan.width == B + 1
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
-    w._adaptive = SimpleNamespace(choose=lambda bs: 3,
-                                  start_step=lambda bs, b: calls.append((bs, b)))
-    assert w._begin_step(make_batch()).budget == 3 and calls == [(2, 3)]
+    w = make_step(adaptive=SimpleNamespace(choose=lambda bs: 3,
+                                           start_step=lambda bs, b: calls.append((bs, b))))
+    assert w.begin_step(make_batch()).budget == 3 and calls == [(2, 3)]
     stale = make_batch()
     stale.spec_info = object()
     with pytest.raises(RuntimeError, match="DFlashDraftInputV2"):
-        w._begin_step(stale)
+        w.begin_step(stale)
 
 
 def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
-    w = make_worker()
+    w = make_step()
     batch = make_batch()
     hidden = torch.randn(2, BLOCK, H)
-    tree = w._build_tree(batch, StepPlan(2, 5), hidden)
-    logits = hidden[:, 1:] @ w.target_worker.model_runner.model.lm_head.weight.T
+    tree = w.build_tree(batch, plan_of(batch, 5), hidden)
+    logits = hidden[:, 1:] @ LM_HEAD.weight.T
     full = VerifyLayout(*tree_stage(logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3,
                                     build_draft_tree))
     assert tree.layout.tree_parents.shape == (2, 6) and tree.grammar_tree is None
@@ -99,27 +126,28 @@ def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
                        full.draft_tokens.view(2, B + 1)[:, :6])
     assert tree.depth_probs is None  # a pinned budget gathers no statistics
     started = []
-    monkeypatch.setattr(contract, "GrammarTree", SimpleNamespace(
+    monkeypatch.setattr(sg, "GrammarTree", SimpleNamespace(
         from_device=lambda **kw: started.append(kw) or "tree copy"))
     batch.has_grammar = True
-    assert w._build_tree(batch, StepPlan(2, 5), hidden).grammar_tree == "tree copy"
+    assert w.build_tree(batch, plan_of(batch, 5), hidden).grammar_tree == "tree copy"
     assert started[0]["draft_token"].shape == (2, 6)
     assert torch.equal(started[0]["retrieve_next_token"], tree.layout.retrieve_next_token)
 
 
+def test_the_draft_starts_from_the_plan_s_relay_state():
+    w = make_step()
+    batch = make_batch()
+    plan = w.begin_step(batch)
+    batch.spec_info = "replaced by a later stage"
+    assert w.draft(batch, plan).shape == (2, BLOCK, H)
+    assert w.io.calls == [("draft", plan.draft_input)]
+
+
 def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
-    w = make_worker()
-    runner = w.target_worker.model_runner
-    seen = {}
-
-    def forward(batch, forward_batch, is_verify):
-        seen["runtime"] = (runner.attn_backend, runner.decode_cuda_graph_runner)
-        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=torch.zeros(3, V)))
-
-    runner.forward_batch_generation = forward
-    w.target_worker.forward_batch_generation = forward
-    w._prepare_verify = lambda batch, spec, layout: ("verify batch", True)
-    w._adaptive = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
+    adaptive = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
+    w = make_step(adaptive=adaptive)
+    runner = w.io.target_runner
+    w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
     built = []
 
     def start(batch, grammar_tree, width, barrier, device, method, costs):
@@ -130,21 +158,23 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     monkeypatch.setattr(wmod, "start_grammar_step", start)
     tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
     barrier = []
-    with w._verify_runtime(6):
-        out = w._verify(make_batch(), StepPlan(2, 5), tree, lambda: barrier.append(1))
-    assert seen["runtime"] == ("narrow backend", "narrow graphs")
+    batch = make_batch()
+    with w.verify_runtime(6):
+        out = w.verify(batch, plan_of(batch, 5), tree, lambda: barrier.append(1))
+    assert w.io.calls == [("verify", ("narrow backend", "narrow graphs"))]
     assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
                                                                       "configured graphs")
-    assert out.grammar == "grammar step" and out.forward_batch == "verify batch"
+    assert out.grammar == "grammar step" and out.out_cache_loc == "slots"
+    assert out.forward_batch == "verify batch" and out.can_run_graph
     assert barrier == [1]
     assert built[0] == dict(tree="tree copy", width=6, method="tree", costs=w.mask_costs)
 
-    def broken(**kw):
+    def broken(*a):
         raise RuntimeError("verify failed")
 
-    w.target_worker.forward_batch_generation = broken
-    with pytest.raises(RuntimeError, match="verify failed"), w._verify_runtime(6):
-        w._verify(make_batch(), StepPlan(2, 5), tree, None)
+    w.io.target_verify = broken
+    with pytest.raises(RuntimeError, match="verify failed"), w.verify_runtime(6):
+        w.verify(batch, plan_of(batch, 5), tree, None)
     assert runner.attn_backend == "configured backend"  # restored on failure too
 
 
@@ -156,15 +186,15 @@ class EvenTokens:
 
 
 def test_sample_and_accept_masks_every_node_before_choosing():
-    w = make_worker()
+    w = make_step()
     batch = make_batch()
-    plan = StepPlan(2, B)
+    plan = plan_of(batch)
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
     verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
                         can_run_graph=True,
                         grammar=GrammarStep(mask=EvenTokens(), walk_rows=(), walks=()))
-    acc = w._sample_and_accept(batch, plan, tree, verified)
+    acc = w.sample_and_accept(batch, plan, tree, verified)
     assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar
     masked = logits.clone()
     masked[:, 1::2] = float("-inf")
@@ -179,13 +209,13 @@ def test_sample_and_accept_masks_every_node_before_choosing():
 
 
 def test_sample_and_accept_without_a_grammar_is_the_plain_argmax():
-    w = make_worker()
+    w = make_step()
     batch = make_batch()
-    plan = StepPlan(2, B)
+    plan = plan_of(batch)
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V)
     verified = Verified(None, logits.clone(), None, True, None)
-    assert torch.equal(w._sample_and_accept(batch, plan, tree, verified).choice,
+    assert torch.equal(w.sample_and_accept(batch, plan, tree, verified).choice,
                        logits.argmax(-1).view(2, B + 1))
 
 
@@ -195,9 +225,9 @@ def test_grammar_traversal_over_the_tree_sees_each_node_s_own_path():
     path from the root (and rolled back after), so each node's row constrains its own prefix."""
     from sglang.srt.speculative.spec_utils import generate_token_bitmask
 
-    w = make_worker()
+    w = make_step()
     batch = make_batch()
-    tree = drafted(w, batch, StepPlan(2, B))
+    tree = drafted(w, batch, plan_of(batch))
     lay = tree.layout
     n = B + 1
 
@@ -237,20 +267,19 @@ def test_grammar_traversal_over_the_tree_sees_each_node_s_own_path():
 def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
     from ddtree_sglang.logprobs import committed_log_probs
 
-    w = make_worker()
-    monkeypatch.setattr(w, "_move_accepted_kv", lambda *a: None)
-    monkeypatch.setattr(w, "_append_committed_features", lambda *a: None)
+    w = make_step()
     batch = make_batch(return_logprob=True, top_logprobs_nums=[3, 0],
                        token_ids_logprobs=[None, [1, 2]])
-    plan = StepPlan(2, B)
+    plan = plan_of(batch)
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V)
     out = SimpleNamespace(next_token_logits=logits, hidden_states=None, customized_info=None)
-    verified = Verified(out, logits, "fb", True, None)
-    acc = w._sample_and_accept(batch, plan, tree, verified)
+    verified = Verified(out, logits, "fb", True, None, out_cache_loc="slots")
+    acc = w.sample_and_accept(batch, plan, tree, verified)
     published = []
-    result = w._commit(batch, plan, tree, verified, acc, published.append)
+    result = w.commit(batch, plan, tree, verified, acc, published.append)
     step = acc.commit
+    assert w.io.calls == [("move", "slots", B + 1), ("features", "slots")]
     assert torch.equal(result.accept_lens, step.commit_lens)
     assert torch.equal(result.next_token_ids, step.tokens.reshape(-1))
     assert torch.equal(published[0], batch.seq_lens + step.commit_lens)
@@ -287,37 +316,28 @@ def test_grammar_masked_tokens_get_the_lowest_finite_logprob():
 
 
 def test_a_decode_step_runs_its_stages_in_order(monkeypatch):
-    w = make_worker()
+    w = make_step()
     order = []
-    for name in ("_begin_step", "_draft", "_build_tree", "_verify", "_sample_and_accept",
-                 "_commit", "_end_step"):
+    for name in ("draft", "build_tree", "verify", "sample_and_accept", "commit", "end_step"):
         monkeypatch.setattr(w, name, lambda *a, name=name: order.append(name) or name)
-    monkeypatch.setattr(w, "_begin_step", lambda b: order.append("_begin_step") or StepPlan(2, 5))
+    monkeypatch.setattr(w, "begin_step", lambda b: order.append("begin_step") or StepPlan(2, 5))
     runtimes = []
-    monkeypatch.setattr(w, "_verify_runtime", lambda width: runtimes.append(width)
+    monkeypatch.setattr(w, "verify_runtime", lambda width: runtimes.append(width)
                         or contextlib.nullcontext())
-    batch = make_batch(forward_mode=SimpleNamespace(is_extend=lambda: False,
-                                                    is_idle=lambda: False),
-                       is_extend_in_batch=False)
-    assert w.forward_batch_generation(batch) == "_commit"
-    assert order == ["_begin_step", "_draft", "_build_tree", "_verify", "_sample_and_accept",
-                     "_commit", "_end_step"]
+    assert w.run(make_batch()) == "commit"
+    assert order == ["begin_step", "draft", "build_tree", "verify", "sample_and_accept",
+                     "commit", "end_step"]
     assert runtimes == [6]  # the verify ran inside the plan's width runtime
-    prefill = []
-    monkeypatch.setattr(w, "_prefill", lambda *a: prefill.append(a) or "prefill")
-    batch.is_extend_in_batch = True
-    assert w.forward_batch_generation(batch) == "prefill" and len(prefill) == 1
 
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
-    w = make_worker()
     observed, clock = [], []
-    w._adaptive = SimpleNamespace(observe=lambda *a: observed.append(a))
-    w._clock = SimpleNamespace(end=lambda: clock.append("end"))
+    w = make_step(adaptive=SimpleNamespace(observe=lambda *a: observed.append(a)),
+                  clock=SimpleNamespace(end=lambda: clock.append("end")))
     commit_lens = torch.tensor([2, 3])
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
     accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
-    w._end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
+    w.end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
     assert observed == [(2, 5, "probs", commit_lens)] and clock == ["end"]
     assert out.customized_info == {"ddtree_budget": [5, 5]}

@@ -26,7 +26,7 @@ from collections import deque
 import torch
 
 from ddtree_sglang.budget import BudgetController, LiveStepCosts
-from ddtree_sglang.sglang_plugin import contract, patches
+from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.settings import DEFAULT_EXPLORE_EVERY, DEFAULT_MIN_GAIN
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
     budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""
     largest = budgets[-1]
-    runtimes = {largest + 1: contract.verify_runtime(runner)}
+    runtimes = {largest + 1: sg.verify_runtime(runner)}
     if runtimes[largest + 1][1] is None or not torch.cuda.is_available():
         logger.warning("DDTREE: the batch-aware budget needs the target's verify CUDA graphs "
                        "(off here); every step verifies B=%d", largest)
@@ -200,7 +200,7 @@ def build_adaptive_budget(runner, budgets: list[int], depth: int, device, prepar
         for budget in budgets[:-1]:
             runtimes[budget + 1] = patches.build_verify_runtime(runner, budget + 1,
                                                                   prepare_backend)
-        costs = verify_costs(runtimes, contract.time_verify_graphs)
+        costs = verify_costs(runtimes, sg.time_verify_graphs)
     except Exception as exc:  # noqa: BLE001 - e.g. no memory left for more graphs
         logger.warning("DDTREE: the batch-aware budget could not build its narrower verifies "
                        "(%s: %s); every step verifies B=%d", type(exc).__name__,

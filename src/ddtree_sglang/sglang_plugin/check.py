@@ -17,11 +17,11 @@ def plugin_status() -> tuple[bool, str]:
         sglang_version = version("sglang")
     except PackageNotFoundError:
         return False, "sglang is not installed in this environment (pip install sglang==0.5.17)"
-    from ddtree_sglang.sglang_plugin import contract
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
 
-    contract.load_plugins()
+    sg.load_plugins()
     try:
-        contract.SpeculativeAlgorithm.from_string("DDTREE")
+        sg.SpeculativeAlgorithm.from_string("DDTREE")
     except (ValueError, KeyError) as exc:
         return False, (f"SGLang {sglang_version} does not know DDTREE after loading its plugins "
                        f"({exc}); is ddtree-sglang installed in the same environment as sglang?")

@@ -4,10 +4,12 @@ SGLang 0.5.17 has no stable API for speculative workers: the names below are pri
 between releases.  `CONTRACT` lists each callable or class with the parameters the plugin
 passes; `ATTRIBUTES` lists, per class, the attributes the plugin reads on its instances
 (found on the class, its dataclass fields or an assignment to `self.<name>` in its source).
-`check_contract()` runs when the worker starts and tests/test_sglang_plugin.py runs it against
-the installed SGLang, so a mismatched SGLang fails loudly at startup instead of decoding
-wrongly.  What the plugin changes in SGLang's objects lives in patches.py; a version bump
-touches these two files.
+`OVERRIDES` lists the parent methods the plugin's subclasses override, `COPIED` the SGLang
+methods it carries a modified copy of (by a hash of their source).  `check_contract()` runs
+before the worker is imported and tests/test_sglang_plugin.py runs it against the installed
+SGLang, so a mismatched SGLang fails loudly at startup instead of decoding wrongly.  This file
+is data and its checker; the plugin imports SGLang's names from sglang_api.py and changes
+SGLang's objects in patches.py: a version bump touches these three files.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.arg_groups.speculative_hook._resolve_dflash_draft_attention_backend":
         ("server_args",),
     "sglang.srt.plugins.hook_registry.HookRegistry.register": ("target", "hook", "hook_type"),
+    "sglang.srt.plugins.hook_registry.HookType.AROUND": (),
+    "sglang.srt.plugins.load_plugins": (),
     "sglang.srt.runtime_context.get_spec": (),
     "sglang.srt.runtime_context.get_exec": (),
     "sglang.srt.model_executor.cuda_graph_config.Backend.DISABLED": (),
@@ -122,12 +126,12 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend": (),
     # per-request, per-step values SGLang copies into each response's meta_info
     "sglang.srt.layers.logits_processor.LogitsProcessorOutput": ("customized_info",),
-    # prefill (worker.DDTreeWorker._prefill): the target pass that also serves input logprobs
+    # prefill (startup.DDTreeWorker._prefill): the target pass that also serves input logprobs
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation":
         ("batch", "forward_batch", "is_verify", "capture_hidden_mode"),
     "sglang.srt.model_executor.forward_batch_info.compute_position":
         ("attn_backend", "extend_prefix_lens", "extend_seq_lens", "extend_seq_lens_sum"),
-    # structured output through the tree (worker.DDTreeWorker._build_tree, grammar_stage.py)
+    # structured output through the tree (worker.DecodeStep.build_tree, grammar_stage.py)
     "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
@@ -137,7 +141,7 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     # native masks and the greedy path walk (grammar_stage.py) work on xgrammar's matcher
     "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar":
         ("matcher", "vocab_size", "ctx", "override_stop_tokens"),
-    # output logprobs of the committed tokens (worker.DDTreeWorker._add_logprobs)
+    # output logprobs of the committed tokens (worker.DecodeStep.add_logprobs)
     "sglang.srt.layers.logprob_processor.get_top_logprobs":
         ("logprobs", "top_logprobs_nums", "no_copy_to_cpu"),
     "sglang.srt.layers.logprob_processor.get_token_ids_logprobs":
@@ -179,7 +183,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
          "_mask_token_id", "_draft_block_ids_buf", "_draft_block_positions_buf",
          "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf",
-         # written by DDTreeWorker.__init__ for the parent's methods to read
+         # written by startup.DDTreeWorker.__init__ for the parent's methods to read
          "_block_pos_offsets", "_draft_block_spec_info"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2":
         ("bonus_tokens", "max_top_k", "uniform_top_k_value", "reserved_seq_lens_cpu",
@@ -219,52 +223,6 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool":
         ("data_ptrs", "data_strides", "page_size"),
 }
-
-# The SGLang names the plugin uses, as `contract.<short name>` (resolved on first use).  Every
-# sglang path is a CONTRACT entry or the class of one, so check_contract() has vouched for it;
-# the two sgl_kernel functions are that package's public API (it imports only on a GPU machine).
-NAMES = {
-    "DFlashWorkerV2": "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2",
-    "DFlashDraftInputV2": "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2",
-    "GenerationBatchResult": "sglang.srt.managers.utils.GenerationBatchResult",
-    "ForwardBatch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
-    "ForwardMode": "sglang.srt.model_executor.forward_batch_info.ForwardMode",
-    "CaptureHiddenMode": "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
-    "SpeculativeAlgorithm": "sglang.srt.speculative.spec_info.SpeculativeAlgorithm",
-    "load_plugins": "sglang.srt.plugins.load_plugins",
-    "ServerArgs": "sglang.srt.server_args.ServerArgs",
-    "EagleVerifyInput": "sglang.srt.speculative.eagle_info.EagleVerifyInput",
-    "eagle_prepare_for_verify": "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
-    "move_accept_tokens_to_target_kvcache":
-        "sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache",
-    "apply_dflash_verify_logits_adjustments":
-        "sglang.srt.speculative.dflash_utils.apply_dflash_verify_logits_adjustments",
-    "prepare_dflash_draft_block":
-        "sglang.kernels.ops.speculative.dflash._prepare_dflash_draft_block_unchecked",
-    "make_draft_block_spec_info":
-        "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info",
-    "build_block_pos_offsets": "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets",
-    "extend_attention_fwd": "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd",
-    "merge_state_triton": "sglang.kernels.ops.attention.merge_state.merge_state_triton",
-    "compute_position": "sglang.srt.model_executor.forward_batch_info.compute_position",
-    "GrammarTree": "sglang.srt.speculative.spec_utils.GrammarTree",
-    "GrammarMask": "sglang.srt.constrained.base_grammar_backend.GrammarMask",
-    "XGrammarGrammar": "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar",
-    "traverse_tree": "sglang.srt.speculative.spec_utils.traverse_tree",
-    "get_top_logprobs": "sglang.srt.layers.logprob_processor.get_top_logprobs",
-    "get_token_ids_logprobs": "sglang.srt.layers.logprob_processor.get_token_ids_logprobs",
-    "RETURN_ORIGINAL_LOGPROB": "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB",
-    "top_k_renorm_prob": "sgl_kernel.top_k_renorm_prob",
-    "top_p_renorm_prob": "sgl_kernel.top_p_renorm_prob",
-}
-
-def __getattr__(name: str):
-    if name in NAMES:
-        value = resolve(NAMES[name])
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def resolve(path: str):
     """Import `a.b.C.meth` style dotted paths."""
@@ -361,143 +319,17 @@ def instance_attributes(cls: type) -> set[str]:
 
 
 def check_contract() -> None:
-    import sglang
+    """Raise, listing every problem, where the installed SGLang breaks the contract."""
+    from importlib.metadata import PackageNotFoundError, version
 
     problems = contract_violations()
     if problems:
+        try:
+            installed = version("sglang")
+        except PackageNotFoundError:
+            installed = "?"
         raise RuntimeError(
             f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed SGLang "
-            f"{getattr(sglang, '__version__', '?')} lacks internals the plugin relies on:\n  "
+            f"{installed} lacks internals the plugin relies on:\n  "
             + "\n  ".join(problems)
         )
-
-
-# -- reading SGLang's private state (imported on use: importing pulls in much of SGLang) ------
-def spec_classes():
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
-
-    return SpeculativeAlgorithm, CustomSpecAlgo, get_spec
-
-
-def hook_registry():
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    return HookRegistry, HookType
-
-
-def resolve_draft_attention_backend(server_args) -> None:
-    from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
-
-    _resolve_dflash_draft_attention_backend(server_args)
-
-
-def future_map(device, spec_algo, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay):
-    from sglang.srt.managers.overlap_utils import FutureMap
-
-    return FutureMap(device, spec_algo, req_to_token_pool, needs_cpu_seq_lens,
-                     needs_confidence_relay)
-
-
-def dflash_draft_input_class():
-    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-
-    return DFlashDraftInputV2
-
-
-def overlap_plan_stream(device):
-    from sglang.srt.speculative.dflash_info_v2 import _get_overlap_plan_stream
-
-    return _get_overlap_plan_stream(device)
-
-
-def alloc_for_spec_decode(*args, **kwargs) -> None:
-    from sglang.srt.mem_cache.allocation import alloc_for_spec_decode as alloc
-
-    alloc(*args, **kwargs)
-
-
-def kv_move_buffers(allocator):
-    """(data_ptrs, row_bytes, max_row_bytes) of the target's KV pool for a direct slot move, or
-    None where the pool's layout needs SGLang's own move (paged HND, native move, no pointers).
-
-    `data_ptrs` / `data_strides` are what SGLang's own copy kernel reads; the largest row is
-    taken from the buffers' shapes, on the host, so nothing waits for the GPU."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    pool = allocator.get_kvcache()
-    if not isinstance(pool, MHATokenToKVPool) or \
-            type(pool)._move_kv_cache_impl is not MHATokenToKVPool._move_kv_cache_impl \
-            or getattr(pool, "use_hnd", False) or getattr(pool, "use_native_move_kv_cache", False) \
-            or getattr(pool, "data_ptrs", None) is None or getattr(pool, "page_size", 1) != 1:
-        return None
-    rows = pool._slot_move_pointer_buffers()
-    max_bytes = max(int(x[0].numel()) * x.element_size() for x in rows)
-    return pool.data_ptrs, pool.data_strides, max_bytes
-
-
-def is_triton_attention(backend) -> bool:
-    """Whether a target attention backend is SGLang's Triton one (the only one whose extend
-    kernel the tree-verify attention variants replace)."""
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    return isinstance(backend, TritonAttnBackend)
-
-
-def extend_attention_signature() -> inspect.Signature:
-    """The signature of SGLang's Triton extend kernel (the verify attention wrappers bind
-    their calls by it)."""
-    return inspect.signature(resolve(NAMES["extend_attention_fwd"]))
-
-
-def decode_graph_config():
-    """SGLang's decode CUDA-graph settings (batch sizes, backend), or None if not resolved."""
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        return get_exec().graph.cuda_graph_config.decode
-    except Exception:  # noqa: BLE001 - not resolved yet in this process
-        return None
-
-
-def graphs_disabled(decode) -> bool:
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
-    return decode.backend == Backend.DISABLED
-
-
-def runtime_spec():
-    from sglang.srt.runtime_context import get_spec
-
-    return get_spec()
-
-
-def verify_runtime(model_runner) -> tuple:
-    """The target's current (attention backend, verify-graph runner)."""
-    return model_runner.attn_backend, model_runner.decode_cuda_graph_runner
-
-
-def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:
-    """Milliseconds per replay of each captured verify graph, by batch size, or None when the
-    runner's graphs are not plain full CUDA graphs.  Run at startup only (it synchronises):
-    the replays reuse the capture's own static inputs, so they touch only the padding slot."""
-    import torch
-    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
-        FullCudaGraphBackend)
-
-    backend = getattr(runner, "backend", None)
-    if type(backend) is not FullCudaGraphBackend:
-        return None
-    out: dict[int, float] = {}
-    for key, graph in backend._graphs.items():
-        if getattr(key, "stream_idx", None) is not None or getattr(key, "variant_label", None):
-            continue
-        graph.replay()  # warm
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        out[int(key.size)] = start.elapsed_time(end) / reps
-    return out or None

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_sglang.sglang_plugin import contract
-
-DFlashDraftInputV2 = contract.dflash_draft_input_class()
+from ddtree_sglang.sglang_plugin import sglang_api as sg
 
 
 def max_step_seq_len(req_to_token: torch.Tensor, verify_width: int) -> int:
@@ -25,19 +23,19 @@ def max_step_seq_len(req_to_token: torch.Tensor, verify_width: int) -> int:
     return int(req_to_token.shape[1]) - verify_width
 
 
-class DDTreeDraftInput(DFlashDraftInputV2):
+class DDTreeDraftInput(sg.DFlashDraftInputV2):
     """DFlashDraftInputV2 whose decode reservation never passes the request's row."""
 
     def prepare_for_decode(self, batch) -> None:
         bs = batch.batch_size()
         if bs == 0:
             return
-        plan_stream, plan_ctx = contract.overlap_plan_stream(batch.device)
+        plan_stream, plan_ctx = sg.overlap_plan_stream(batch.device)
         self._ensure_prepare_length_buffers(bs, batch.device)
         committed_cpu = self._prepare_batch_seq_lens_cpu_buf[:bs]
         cur_cpu = self._prepare_cur_kv_lens_cpu_buf[:bs]
         nxt_cpu = self._prepare_nxt_kv_lens_cpu_buf[:bs]
-        width = int(contract.runtime_spec().speculative_num_draft_tokens)
+        width = int(sg.runtime_spec().speculative_num_draft_tokens)
         row_end = int(batch.req_to_token_pool.req_to_token.shape[1])
         needed = committed_sum = reserved_sum = 0
         for i, req in enumerate(batch.reqs):
@@ -59,7 +57,7 @@ class DDTreeDraftInput(DFlashDraftInputV2):
             nxt = self._prepare_nxt_kv_lens_gpu_buf[:bs]
             cur.copy_(cur_cpu, non_blocking=True)
             nxt.copy_(nxt_cpu, non_blocking=True)
-            contract.alloc_for_spec_decode(
+            sg.alloc_for_spec_decode(
                 batch.tree_cache, batch.req_to_token_pool, reqs=batch.reqs,
                 req_pool_indices=batch.req_pool_indices, cur_kv_lens=cur,
                 cur_kv_lens_cpu=cur_cpu, nxt_kv_lens=nxt, nxt_kv_lens_cpu=nxt_cpu,

@@ -30,7 +30,7 @@ import torch
 
 from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
                                          follow_paths)
-from ddtree_sglang.sglang_plugin import contract
+from ddtree_sglang.sglang_plugin import sglang_api as sg
 
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
 THREAD_ABOVE_US = 200.0  # tree masks this costly go to the thread pool
@@ -80,7 +80,7 @@ class GrammarStep:
 def native_matcher(req) -> Any | None:
     """The request's xgrammar matcher, or None where its grammar object is another kind."""
     grammar = req.grammar
-    return grammar.matcher if type(grammar) is contract.XGrammarGrammar else None
+    return grammar.matcher if type(grammar) is sg.XGrammarGrammar else None
 
 
 def walks_greedily(req) -> bool:
@@ -128,7 +128,7 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
             if matcher is not None:
                 fill_tree_masks(matcher, next_token[i], next_sibling[i], tokens[i], rows)
             else:
-                contract.traverse_tree(next_token[i], next_sibling[i], tokens[i], req.grammar,
+                sg.traverse_tree(next_token[i], next_sibling[i], tokens[i], req.grammar,
                                        rows, vocab_size=vocab)
             costs.us[req.rid] = (time.perf_counter() - t0) * 1e6
 
@@ -142,7 +142,7 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
                 fill(job)
         for f in futures:
             f.result()
-        mask = contract.GrammarMask(masked[0][1].grammar, bitmask.to(device, non_blocking=True))
+        mask = sg.GrammarMask(masked[0][1].grammar, bitmask.to(device, non_blocking=True))
     return GrammarStep(mask=mask, walk_rows=tuple(walk_rows), walks=tuple(walks))
 
 

@@ -1,16 +1,15 @@
 """What the plugin changes in SGLang's objects, beside the hooks plugin.py registers: the
 drafter's forward wrapper, the target's verify-attention install, the server-argument
 declarations and the per-width verify runtime.  Everything here reads only names the
-contract (contract.py) lists and checks at startup.
+contract (contract.py) lists and checks at startup, through sglang_api.py.
 """
 
 from __future__ import annotations
 
 import functools
 
-from ddtree_sglang.sglang_plugin.contract import (NAMES, SUPPORTED_SGLANG,
-                                                  extend_attention_signature,
-                                                  is_triton_attention, resolve, runtime_spec)
+from ddtree_sglang.sglang_plugin import sglang_api as sg
+from ddtree_sglang.sglang_plugin.contract import SUPPORTED_SGLANG
 
 
 def keep_embeds_dtype(model, dtype) -> None:
@@ -39,14 +38,14 @@ def wrap_verify_attention(backend, wrap) -> None:
     (a tree-verify attention of verify_attention.VARIANTS, which kernel_choice checked
     against this very kernel).  Must run before the target's CUDA graphs are captured: they
     record whichever function is called."""
-    if not is_triton_attention(backend):
+    if not sg.is_triton_attention(backend):
         raise RuntimeError(f"the tree verify attention replaces the triton backend's extend "
                            f"kernel; the target's backend is {type(backend).__name__}")
     single = getattr(backend, "extend_attention_fwd", None)
     if single is None:
         raise RuntimeError("the triton backend has no extend_attention_fwd attribute")
-    backend.extend_attention_fwd = wrap(single, resolve(NAMES["merge_state_triton"]),
-                                        extend_attention_signature())
+    backend.extend_attention_fwd = wrap(single, sg.merge_state_triton,
+                                        sg.extend_attention_signature())
 
 
 def declare_server_args(server_args, fields: dict) -> None:
@@ -57,7 +56,7 @@ def declare_server_args(server_args, fields: dict) -> None:
     hook is overwritten; a declaration made here comes after SGLang's and wins.  Objects that
     are not ServerArgs (tests) get the attributes set directly; a ServerArgs without the
     override pass (another SGLang) is refused rather than set where SGLang would overwrite."""
-    if not isinstance(server_args, resolve(NAMES["ServerArgs"])):
+    if not isinstance(server_args, sg.ServerArgs):
         for name, value in fields.items():
             setattr(server_args, name, value)
         return
@@ -65,12 +64,10 @@ def declare_server_args(server_args, fields: dict) -> None:
         raise RuntimeError("this SGLang's ServerArgs has no _resolved_overrides (the override "
                            f"pass DDTREE declares its defaults through); DDTREE supports SGLang "
                            f"{SUPPORTED_SGLANG}")
-    from sglang.srt.arg_groups.overrides import run_post_process_pass
-
     def ddtree_defaults(view) -> dict:
         return dict(fields)
 
-    run_post_process_pass(server_args, ddtree_defaults)
+    sg.run_post_process_pass(server_args, ddtree_defaults)
 
 
 def build_verify_runtime(model_runner, width: int, prepare_backend=None):
@@ -79,11 +76,8 @@ def build_verify_runtime(model_runner, width: int, prepare_backend=None):
     states: under a temporary speculative_num_draft_tokens = width, with a fresh workspace.
     `prepare_backend(backend)` runs before the graphs are captured (they record what it
     installs)."""
-    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-    from sglang.srt.runtime_context import get_context
-
-    configured = runtime_spec().speculative_num_draft_tokens
-    get_context().override("ddtree.budget_capture", speculative_num_draft_tokens=width)
+    configured = sg.runtime_spec().speculative_num_draft_tokens
+    sg.get_context().override("ddtree.budget_capture", speculative_num_draft_tokens=width)
     try:
         saved_workspace = model_runner.init_new_workspace
         try:
@@ -94,10 +88,10 @@ def build_verify_runtime(model_runner, width: int, prepare_backend=None):
             prepare_backend(backend)
         runner = None
         if model_runner.decode_cuda_graph_runner is not None:
-            runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
+            runner = sg.DecodeCudaGraphRunner(model_runner, attn_backend=backend,
                                            speculative_num_draft_tokens=width)
     finally:
-        get_context().override("ddtree.budget_restore", speculative_num_draft_tokens=configured)
+        sg.get_context().override("ddtree.budget_restore", speculative_num_draft_tokens=configured)
     return backend, runner
 
 

@@ -23,7 +23,12 @@ _registered = False
 
 
 def _worker_factory(server_args):
-    from ddtree_sglang.sglang_plugin.worker import DDTreeWorker
+    """The worker class, once the installed SGLang is known to hold what it relies on (the
+    contract is checked before its SGLang names are imported)."""
+    from ddtree_sglang.sglang_plugin import contract
+
+    contract.check_contract()
+    from ddtree_sglang.sglang_plugin.startup import DDTreeWorker
 
     return DDTreeWorker
 
@@ -60,15 +65,15 @@ def _get_spec_info_hook(original, runner, num_tokens):
     model_runner = runner.model_runner
     if not is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
         return original(runner, num_tokens)
-    from ddtree_sglang.sglang_plugin import contract
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
 
     block = int(model_runner.server_args.speculative_dflash_block_size)
-    return contract.EagleVerifyInput(
+    return sg.EagleVerifyInput(
         draft_token=None, custom_mask=runner.buffers.custom_mask, positions=None,
         retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None,
         retrieve_cum_len=None, spec_steps=block - 1, topk=1,
         draft_token_num=runner.captured_req_width,
-        capture_hidden_mode=contract.CaptureHiddenMode.FULL,
+        capture_hidden_mode=sg.CaptureHiddenMode.FULL,
         seq_lens_sum=None, seq_lens_cpu=None,
     )
 
@@ -143,9 +148,9 @@ def _finish_state_hook(original, req, new_accepted_len: int = 1):
 
 
 def _serving_ddtree() -> bool:
-    from ddtree_sglang.sglang_plugin import contract
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
 
-    return contract.runtime_spec().speculative_algorithm == "DDTREE"
+    return sg.runtime_spec().speculative_algorithm == "DDTREE"
 
 
 def register() -> None:
@@ -153,11 +158,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from ddtree_sglang.sglang_plugin import contract
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
     from ddtree_sglang.sglang_plugin.server_args import ALGORITHM
 
-    spec_algorithm, _, get_spec = contract.spec_classes()
-    if get_spec(ALGORITHM) is not None:
+    if sg.get_spec(ALGORITHM) is not None:
         logger.info("ddtree-sglang: SGLang already provides %s; the plugin stands down",
                     ALGORITHM)
         _registered = True
@@ -165,14 +169,14 @@ def register() -> None:
     try:
         from ddtree_sglang.sglang_plugin.spec_algo import DDTreeSpecAlgo
 
-        spec_algorithm.register(ALGORITHM, supports_overlap=True,
+        sg.SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True,
                                 validate_server_args=_validate,
                                 spec_class=DDTreeSpecAlgo)(_worker_factory)
     except ValueError as exc:  # a future SGLang that reserves the name itself
         logger.warning("ddtree-sglang: not registering %s: %s", ALGORITHM, exc)
         _registered = True
         return
-    registry, hook_type = contract.hook_registry()
+    registry, hook_type = sg.HookRegistry, sg.HookType
     registry.register(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
         _get_spec_info_hook, hook_type.AROUND)

@@ -10,13 +10,11 @@ works on the drafter's block (block_size), the target verifies the tree (B + 1 t
 
 from __future__ import annotations
 
-from ddtree_sglang.sglang_plugin import contract
 from ddtree_sglang.sglang_plugin import server_args as ddtree_args
+from ddtree_sglang.sglang_plugin import sglang_api as sg
 
-_, CustomSpecAlgo, _ = contract.spec_classes()
 
-
-class DDTreeSpecAlgo(CustomSpecAlgo):
+class DDTreeSpecAlgo(sg.CustomSpecAlgo):
     def is_dflash_family(self) -> bool:
         return True
 
@@ -40,13 +38,13 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
     def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
                           needs_confidence_relay: bool = False):
-        return contract.future_map(device, self, req_to_token_pool, needs_cpu_seq_lens,
+        return sg.future_map(device, self, req_to_token_pool, needs_cpu_seq_lens,
                                     needs_confidence_relay)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int,
                                                  is_draft_worker: bool) -> int:
         if is_draft_worker:
-            block = contract.runtime_spec().speculative_dflash_block_size
+            block = sg.runtime_spec().speculative_dflash_block_size
             if block is None:
                 raise RuntimeError("DDTREE: speculative_dflash_block_size was not resolved")
             return int(block)
@@ -54,4 +52,4 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
 
     def handle_server_args(self, server_args) -> None:
         ddtree_args.apply_defaults(server_args)
-        contract.resolve_draft_attention_backend(server_args)
+        sg.resolve_draft_attention_backend(server_args)

@@ -1,4 +1,4 @@
-"""The records a DDTREE decode step passes from stage to stage (worker.DDTreeWorker):
+"""The records a DDTREE decode step passes from stage to stage (worker.DecodeStep):
 
     plan -> draft -> build tree -> verify -> sample and accept -> commit
 
@@ -19,10 +19,12 @@ from ddtree_sglang.penalties import PenaltyParams
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What this step verifies: bs requests, each a tree of `budget` nodes plus its root."""
+    """What this step verifies: bs requests, each a tree of `budget` nodes plus its root, from
+    the relay state the previous step left (draft_input: its bonus tokens are the roots)."""
 
     bs: int
     budget: int
+    draft_input: Any = None
 
     @property
     def width(self) -> int:
@@ -56,6 +58,7 @@ class Verified:
         Accepted.logits; read the processed values there, never here.
     grammar: the step's GrammarStep (grammar_stage.py): node masks built on the host while the
         verify pass runs and the greedy walks, None when no request has a grammar.
+    out_cache_loc [bs * n]: the KV slots the verify wrote the nodes' K/V into.
     """
 
     logits_output: Any
@@ -63,6 +66,7 @@ class Verified:
     forward_batch: Any
     can_run_graph: bool
     grammar: Any | None
+    out_cache_loc: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,237 @@
+"""DDTreeWorker: SGLang's DFlash worker with the linear verify replaced by a draft tree.
+
+This is the class SGLang instantiates for `--speculative-algorithm DDTREE`, and what it does
+at startup: the contract check, the kernel choice, the tree-verify attention install, the
+CUDA-graph capture of the tree and accept stages, the batch-aware budget's per-width runtimes.
+Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
+DFlashWorkerV2's.  A decode step is worker.DecodeStep's, built once the KV pools exist
+(init_cuda_graphs); prefill is DFLASH's, run here so that requests with logprobs are served.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from ddtree_sglang.decode_step import truncate_layout, unpack_tree_stage
+from ddtree_sglang.kernel_choice import Kernels, choose_kernels
+from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
+from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget, build_adaptive_budget
+from ddtree_sglang.sglang_plugin.draft_input import make_draft_input
+from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
+from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
+from ddtree_sglang.sglang_plugin.model_io import DFlashModelIO, draft_logits
+from ddtree_sglang.sglang_plugin.request_state import PenaltyState
+from ddtree_sglang.sglang_plugin.server_args import settings_from_args
+from ddtree_sglang.sglang_plugin.tree_stages import TreeStages
+from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
+                                                          check_verify_attention)
+from ddtree_sglang.sglang_plugin.worker import DecodeStep
+
+logger = logging.getLogger(__name__)
+
+
+class DDTreeWorker(sg.DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        # Both are read by init_attention_backends, which the parent's __init__ calls.
+        self.settings = s = settings_from_args(server_args)
+        started = time.perf_counter()
+        self.kernels = self._choose_kernels(target_worker, gpu_id)
+        checks_s = time.perf_counter() - started
+        super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
+                         target_worker=target_worker)
+        self.speculative_num_draft_tokens = s.verify_width
+        # Read by the parent's draft-block methods (contract.ATTRIBUTES lists them).
+        self._block_pos_offsets = sg.build_block_pos_offsets(length=s.block_size,
+                                                             device=self.device)
+        self._draft_block_spec_info = sg.make_draft_block_spec_info(
+            draft_token_num=s.block_size, device=self.device)
+        self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        lm_head = self.target_worker.model_runner.model.lm_head
+        self.stages = TreeStages(
+            self.kernels, s.budget, s.depth, s.block_size,
+            functools.partial(draft_logits, lm_head, vocab_size=self.vocab_size),
+            tuple(s.budgets), s.cuda_graph_tree)
+        self.step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
+        # What the drafter's layers compute in (its first matrix weight): the target's
+        # embeddings may differ, and SGLang's eager path casts them to bfloat16.
+        draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
+                           if p.dim() == 2 and p.is_floating_point())
+        patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
+        # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
+        # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
+        self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
+                        "drafter weights %s; kernels: %s (startup checks %.1f s)", s.budget,
+                        s.verify_width, s.block_size, s.depth, draft_dtype,
+                        self.kernels.describe(), checks_s)
+
+    def _choose_kernels(self, target_worker, gpu_id: int) -> Kernels:
+        """Every kernel of the step checked once on this GPU (kernel_choice.py); the verify
+        attention variant is compared here with SGLang's own extend kernel and installed by
+        init_attention_backends where the target's backend is triton."""
+        s = self.settings
+        runner = target_worker.model_runner
+        device = torch.device("cuda", gpu_id) if torch.cuda.is_available() else "cpu"
+        dtype = runner.model.lm_head.weight.dtype
+
+        def check_verify(name: str) -> str | None:
+            return check_verify_attention(sg.extend_attention_fwd, sg.merge_state_triton,
+                                          sg.extend_attention_signature(), device, dtype,
+                                          make=VARIANTS[name])
+
+        return choose_kernels(tree_kernel=s.tree_kernel, budget=s.budget, depth=s.depth,
+                              vocab=int(runner.model_config.vocab_size), out_width=s.block_size,
+                              device=device, dtype=dtype, verify_attention=s.verify_attention,
+                              check_verify_attention=check_verify)
+
+    def init_attention_backends(self):
+        """After SGLang made the target's attention backend (it runs first) and before any
+        graph is captured: install the tree-verify attention the kernel choice kept.  It
+        replaces the triton backend's extend kernel only: the default applies there alone,
+        and a variant named for another backend is dropped, with why."""
+        super().init_attention_backends()
+        variant = self.kernels.verify_attention
+        backend = self.target_worker.model_runner.attn_backend
+        if variant != "single" and not sg.is_triton_attention(backend):
+            dropped = self.kernels.dropped
+            if self.settings.verify_attention_named:
+                dropped += ((f"{variant} verify attention", f"the target's attention backend "
+                             f"is {type(backend).__name__}, not triton"),)
+            self.kernels = replace(self.kernels, verify_attention="single", dropped=dropped)
+            return
+        if variant == "single":
+            return
+        patches.wrap_verify_attention(backend, VARIANTS[variant])
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE verify attention: %s", "split from %d requests a verify "
+                        "(mask-free prefix + masked tree, merged by log-sum-exp)"
+                        % SPLIT_MIN_REQUESTS if variant == "split" else "kernel (split-KV "
+                        "prefix + masked tree in one online softmax, kernels/tree_attention.py)")
+
+    def init_cuda_graphs(self):
+        """SGLang's graphs, then the tree stages' (if the batch sizes were unknown before),
+        the batch-aware budget's per-width runtimes, and the decode step over them."""
+        super().init_cuda_graphs()
+        if not self._tree_graphs_done:
+            self._tree_graphs_done = self._capture_tree_graphs("after the KV pool")
+        s = self.settings
+        adaptive = self._build_adaptive_budget() if len(s.budgets) > 1 else None
+        clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
+        rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+        io = DFlashModelIO(self, self.kernels, s.block_size, s.verify_width, self.vocab_size)
+        self.step = DecodeStep(s, self.vocab_size, io, self.stages,
+                               PenaltyState(rows, self.vocab_size, self.device), MaskCosts(),
+                               adaptive, clock)
+
+    def _build_adaptive_budget(self) -> AdaptiveBudget | None:
+        variant = self.kernels.verify_attention
+
+        def install(backend) -> None:  # the variant the configured width's backend runs
+            patches.wrap_verify_attention(backend, VARIANTS[variant])
+
+        s = self.settings
+        return build_adaptive_budget(self.target_worker.model_runner, list(s.budgets), s.depth,
+                                     self.device, None if variant == "single" else install,
+                                     log=self.ps.tp_rank == 0, explore_every=s.explore_every,
+                                     min_gain=s.min_gain)
+
+    def _capture_tree_graphs(self, when: str) -> bool:
+        """Capture the tree and acceptance stages for every decode CUDA-graph batch size
+        (largest first, so the shared pool is sized once), then freeze them: a batch size
+        seen later is padded to a captured one, nothing is captured while serving.
+        Returns whether the capture question is settled."""
+        stages, s = self.stages, self.settings
+        if not (stages.tree.enabled and torch.cuda.is_available()):
+            return True
+        decode = sg.decode_graph_config()
+        if decode is None or not decode.bs:
+            return False
+        if sg.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
+            stages.disable_graphs()
+            return True
+        sizes = sorted(set(decode.bs), reverse=True)
+        hidden = self.draft_model_runner.model_config.hidden_size
+        dtype = self.draft_model_runner.model_config.dtype
+        mem_before = torch.cuda.memory_reserved() / 2**20
+        started = time.perf_counter()
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        try:
+            for bs in sizes:
+                lay, _ = unpack_tree_stage(stages.tree(zeros(bs, s.depth, hidden, dtype=dtype),
+                                                       zeros(bs), zeros(bs) + 1))
+                for budget in s.budgets:  # one acceptance graph per verify width
+                    cut = truncate_layout(lay, budget + 1)
+                    stages.accept(cut.draft_tokens.view(bs, budget + 1), cut.tree_parents,
+                                  cut.tree_depths, zeros(bs, budget + 1))
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
+            logger.warning("DDTREE: startup capture of the tree stage failed (%s); it runs "
+                           "eagerly", exc)
+            stages.disable_graphs()
+            return True
+        stages.freeze()
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE tree/accept stages captured %s for batch sizes %s (%.0f MiB "
+                        "graph pool, %.1f s); other sizes are padded to these", when, sizes,
+                        torch.cuda.memory_reserved() / 2**20 - mem_before,
+                        time.perf_counter() - started)
+        return True
+
+    def _maybe_build_draft_sampler(self):
+        return None  # DDTREE needs the drafter's whole distributions, not its argmax
+
+    def _make_next_draft_input_prefill(self, *, bonus_tokens, seq_lens):
+        return make_draft_input(bonus_tokens, seq_lens)
+
+    def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
+        return make_draft_input(bonus_tokens, new_seq_lens)
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+        step = self.step
+        if step is None:
+            raise RuntimeError("DDTREE: a forward pass before init_cuda_graphs built the step")
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
+                batch.forward_mode.is_idle():
+            return self._prefill(step, batch, on_publish, grammar_barrier)
+        return step.run(batch, on_publish, grammar_barrier)
+
+    def _prefill(self, step: DecodeStep, batch, on_publish, grammar_barrier):
+        """The target's prefill pass, which also samples the first token (and computes input
+        and output logprobs when asked), then the prompt's target features into the draft KV:
+        DFLASH's prefill, run here because DFLASH's refuses requests with logprobs.  The
+        step's state learns of the new requests (penalties) and of the break (budget)."""
+        if step.adaptive is not None:
+            step.adaptive.interrupt()
+        if batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+        result = self.target_worker.forward_batch_generation(
+            batch, capture_hidden_mode=sg.CaptureHiddenMode.FULL)
+        logits_output, first_tokens = result.logits_output, result.next_token_ids
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        if logits_output.hidden_states is None:
+            raise RuntimeError("DDTREE prefill needs the target's captured hidden states")
+        device = first_tokens.device
+        positions, _ = sg.compute_position(
+            self.model_runner.server_args.attention_backend,
+            torch.tensor(batch.prefix_lens, dtype=torch.int32, device=device),
+            torch.tensor(batch.extend_lens, dtype=torch.int32, device=device),
+            int(sum(batch.extend_lens)))
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=logits_output.hidden_states, cache_loc=batch.out_cache_loc,
+            positions=positions)
+        logits_output.hidden_states = None  # no host copy of the features under overlap
+        result.next_draft_input = self._make_next_draft_input_prefill(
+            bonus_tokens=first_tokens, seq_lens=batch.seq_lens)
+        step.penalties.on_prefill(batch.reqs, first_tokens)
+        return result

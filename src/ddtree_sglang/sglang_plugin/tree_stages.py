@@ -1,0 +1,47 @@
+"""The decode step's two fixed-shape GPU stages, each a GraphedFunction: the tree stage
+(drafter states -> B-best tree -> verify layout) and the accept stage (target choices -> what
+the step commits).  startup.py captures them per decode batch size; the step calls them."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ddtree_sglang.decode_step import tree_stage
+from ddtree_sglang.graphed import GraphedFunction
+from ddtree_sglang.kernel_choice import Kernels
+
+
+class TreeStages:
+    """`tree(draft_hidden, roots, seq_lens)` and `accept(tokens, parents, depths, choice)`.
+
+    draft_logits: [bs, L, H] drafter states -> [bs, L, V] logits (the target's lm_head);
+    budgets: the batch-aware budget's candidate widths (the tree stage also computes their
+    expected acceptance), or one budget when B is pinned; graphed: capture CUDA graphs."""
+
+    def __init__(self, kernels: Kernels, budget: int, depth: int, out_width: int,
+                 draft_logits: Callable[[torch.Tensor], torch.Tensor],
+                 budgets: tuple[int, ...] = (), graphed: bool = True) -> None:
+        self.kernels, self.budget, self.depth, self.out_width = kernels, budget, depth, out_width
+        self.draft_logits = draft_logits
+        self.candidates = tuple(budgets) if len(budgets) > 1 else ()
+        self.tree = GraphedFunction(self._tree, "DDTREE tree stage", graphed)
+        self.accept = GraphedFunction(self._accept, "DDTREE accept stage", graphed)
+
+    def _tree(self, draft_hidden, roots, seq_lens) -> tuple:
+        """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
+        return tree_stage(self.draft_logits(draft_hidden), roots, seq_lens, self.budget,
+                          self.depth, self.kernels.build_tree, self.candidates)
+
+    def _accept(self, tokens, parents, depths, choice) -> tuple:
+        """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
+        return self.kernels.accept_stage(tokens, parents, depths, choice, self.depth,
+                                         self.out_width)
+
+    def disable_graphs(self) -> None:
+        self.tree.enabled = self.accept.enabled = False
+
+    def freeze(self) -> None:
+        self.tree.freeze()
+        self.accept.freeze()
