@@ -45,6 +45,10 @@ ARMS = {
                        env={"SGLANG_DDTREE_GRAMMAR": "auto"}),
     "ddtree-python": Arm(name="ddtree-python", algorithm="DDTREE",
                          env={"SGLANG_DDTREE_GRAMMAR": "python"}),
+    # auto masks, and the batch-aware budget of grammar batches from their own step costs
+    "ddtree-auto-own": Arm(name="ddtree-auto-own", algorithm="DDTREE",
+                           env={"SGLANG_DDTREE_GRAMMAR": "auto",
+                                "SGLANG_DDTREE_GRAMMAR_BUDGET": "own"}),
 }
 
 

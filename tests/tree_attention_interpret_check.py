@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from ddtree_sglang.kernels.tree_attention import reference_tree_attention, tree_verify_attention
-from ddtree_sglang.sglang_plugin import contract
+from ddtree_sglang.sglang_plugin import sglang_api as sg
 from ddtree_sglang.sglang_plugin.verify_attention import (check_verify_attention,
                                                           kernel_attention, random_tree_ancestors)
 
@@ -88,8 +88,8 @@ def main() -> None:
     except ValueError as exc:
         assert "accepted: block_m in [64, 128], block_n in [32, 64]" in str(exc), exc
     # the server's wrapper against SGLang's own masked kernel (the worker's startup check)
-    single = contract.resolve(contract.NAMES["extend_attention_fwd"])
-    merge = contract.resolve(contract.NAMES["merge_state_triton"])
+    single = sg.extend_attention_fwd
+    merge = sg.merge_state_triton
     signature = inspect.signature(single)
     why = check_verify_attention(single, merge, signature, device, dtype, make=kernel_attention)
     assert why is None, why

@@ -6,15 +6,15 @@ import inspect
 
 import torch
 
-from ddtree_sglang.sglang_plugin import contract
+from ddtree_sglang.sglang_plugin import sglang_api as sg
 from ddtree_sglang.sglang_plugin.verify_attention import (check_verify_attention,
                                                           reference_attention, split_attention,
                                                           verify_case)
 
 
 def main() -> None:
-    single = contract.resolve(contract.NAMES["extend_attention_fwd"])
-    merge = contract.resolve(contract.NAMES["merge_state_triton"])
+    single = sg.extend_attention_fwd
+    merge = sg.merge_state_triton
     signature = inspect.signature(single)
     # the worker's startup check, in float32 on the CPU
     assert check_verify_attention(single, merge, signature, "cpu", torch.float32) is None

@@ -292,11 +292,13 @@ class BudgetController:
     budget; where the choice runs, a chosen budget is replaced only by one promising more
     than `min_gain` over it.  One step in `explore_every` (0: never) of an engaged batch size
     verifies the least-measured budget, and `stats_every` subsamples the statistics (they
-    move slowly; a subsample, not a bias)."""
+    move slowly; a subsample, not a bias).  `gate=False` engages every batch size once a
+    step period is known (for steps whose cost the verify-time bound does not capture)."""
 
     def __init__(self, budgets: list[int], costs: StepCosts, max_depth: int, device="cpu", *,
                  min_gain: float = 0.0, explore_every: int = 0, stats_every: int = 1,
-                 decay: float = 0.95, expected_decay: float = 0.9, log: bool = True) -> None:
+                 decay: float = 0.95, expected_decay: float = 0.9, log: bool = True,
+                 gate: bool = True) -> None:
         if not budgets or sorted(set(budgets)) != list(budgets) or budgets[0] < 1:
             raise ValueError(f"budgets must be distinct, ascending and >= 1; got {budgets}")
         if explore_every < 0 or stats_every < 1 or min_gain < 0:
@@ -305,6 +307,7 @@ class BudgetController:
         self.budgets = list(budgets)
         self.costs = costs
         self.min_gain, self.explore_every, self.stats_every = min_gain, explore_every, stats_every
+        self.gate = gate
         self.expected_decay, self.log = expected_decay, log
         self.calibration = DepthCalibration(max_depth, decay, device)
         self.expected = torch.zeros(len(budgets), device=device)  # per request, EMA
@@ -349,6 +352,8 @@ class BudgetController:
         at least min_gain over the largest (from the verify times and the row's step period;
         before a period is known, no).  Re-judged only when a cost changed."""
         row = self.costs.batch_row(bs) if row is None else row
+        if not self.gate:
+            return self.costs.knows_period
         version = self.costs.version
         cached = self._gate.get(row)
         if cached is not None and cached[0] == version:

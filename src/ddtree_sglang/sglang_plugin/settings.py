@@ -33,6 +33,7 @@ TREE_KERNEL_ENV = "SGLANG_DDTREE_TREE_KERNEL"
 CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
 GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
 GRAMMAR_METHODS = ("tree", "path", "auto", "python")  # sglang_plugin/grammar_stage.py
+GRAMMAR_BUDGET_ENV = "SGLANG_DDTREE_GRAMMAR_BUDGET"
 DEFAULT_EXPLORE_EVERY = 32
 DEFAULT_MIN_GAIN = 0.03
 
@@ -121,6 +122,10 @@ _KNOB_LIST = (
          "structured output's masks: native per node (tree), along the accepted path for "
          "greedy requests (path), path where a request's tree masks are costly (auto), or "
          "SGLang's Python traversal (python)"),
+    Knob(GRAMMAR_BUDGET_ENV, "shared", _choice(GRAMMAR_BUDGET_ENV, ("shared", "own")),
+         "the batch-aware budget for batches with a grammar: the same costs as the rest "
+         "(shared), or step costs and statistics of their own (own: their tree sized by what "
+         "their steps, grammar masks included, take on this host)"),
     Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
          "log the host's time per decode step by stage"),
     Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),
@@ -153,6 +158,7 @@ class DDTreeSettings:
     verify_attention_named: bool  # named in the environment (not the default)
     cuda_graph_tree: bool
     grammar: str
+    grammar_budget: str
     host_timing: bool
     budget_trace: bool
 
@@ -189,6 +195,6 @@ class DDTreeSettings:
                    verify_attention=values[VERIFY_ATTENTION_ENV],
                    verify_attention_named=VERIFY_ATTENTION_ENV in env,
                    cuda_graph_tree=values[CUDA_GRAPH_TREE_ENV] == "1",
-                   grammar=values[GRAMMAR_ENV],
+                   grammar=values[GRAMMAR_ENV], grammar_budget=values[GRAMMAR_BUDGET_ENV],
                    host_timing=values[HOST_TIMING_ENV] == "1",
                    budget_trace=values[BUDGET_TRACE_ENV] == "1")

@@ -139,7 +139,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         return build_adaptive_budget(self.target_worker.model_runner, list(s.budgets), s.depth,
                                      self.device, None if variant == "single" else install,
                                      log=self.ps.tp_rank == 0, explore_every=s.explore_every,
-                                     min_gain=s.min_gain)
+                                     min_gain=s.min_gain, grammar_lane=s.grammar_budget == "own")
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size

@@ -120,11 +120,11 @@ class DecodeStep:
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
         batch.seq_lens = batch.seq_lens.clamp(max=self.io.max_step_seq_len())
-        adaptive = self.adaptive
-        budget = self.settings.budget if adaptive is None else adaptive.choose(bs)
+        adaptive, constrained = self.adaptive, bool(batch.has_grammar)
+        budget = self.settings.budget if adaptive is None else adaptive.choose(bs, constrained)
         if adaptive is not None:
-            adaptive.start_step(bs, budget)
-        return StepPlan(bs=bs, budget=budget, draft_input=draft_input)
+            adaptive.start_step(bs, budget, constrained)
+        return StepPlan(bs=bs, budget=budget, draft_input=draft_input, constrained=constrained)
 
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
@@ -132,7 +132,7 @@ class DecodeStep:
         is reported when traced); the step clock stops."""
         if self.adaptive is not None:
             self.adaptive.observe(plan.bs, plan.budget, tree.depth_probs,
-                                  accepted.commit.commit_lens)
+                                  accepted.commit.commit_lens, plan.constrained)
             if self.settings.budget_trace:
                 patches.report_per_request(verified.logits_output, "ddtree_budget",
                                            [plan.budget] * plan.bs)
