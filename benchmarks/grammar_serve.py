@@ -49,6 +49,11 @@ ARMS = {
     "ddtree-auto-own": Arm(name="ddtree-auto-own", algorithm="DDTREE",
                            env={"SGLANG_DDTREE_GRAMMAR": "auto",
                                 "SGLANG_DDTREE_GRAMMAR_BUDGET": "own"}),
+    # ... and constrained rows verifying their best grammar-valid candidate nodes
+    "ddtree-valid": Arm(name="ddtree-valid", algorithm="DDTREE",
+                        env={"SGLANG_DDTREE_GRAMMAR": "auto",
+                             "SGLANG_DDTREE_GRAMMAR_BUDGET": "own",
+                             "SGLANG_DDTREE_GRAMMAR_TREE": "valid"}),
 }
 
 

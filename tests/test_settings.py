@@ -31,8 +31,9 @@ def test_defaults():
                           "SGLANG_DDTREE_EXPLORE_EVERY", "SGLANG_DDTREE_TREE_KERNEL",
                           "SGLANG_DDTREE_VERIFY_ATTENTION", "SGLANG_DDTREE_CUDA_GRAPH_TREE",
                           "SGLANG_DDTREE_HOST_TIMING", "SGLANG_DDTREE_BUDGET_TRACE",
-                          "SGLANG_DDTREE_GRAMMAR", "SGLANG_DDTREE_GRAMMAR_BUDGET"}
-    assert s.grammar_budget == "shared"
+                          "SGLANG_DDTREE_GRAMMAR", "SGLANG_DDTREE_GRAMMAR_BUDGET",
+                          "SGLANG_DDTREE_GRAMMAR_TREE"}
+    assert s.grammar_budget == "shared" and s.grammar_tree == "all"
     with pytest.raises(DDTreeConfigError, match="accepted: shared, own"):
         settings(SGLANG_DDTREE_GRAMMAR_BUDGET="lane")
 

@@ -30,6 +30,8 @@ import torch
 
 from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
                                          follow_paths)
+from ddtree_sglang.grammar_tree import select_layout, select_nodes, valid_nodes
+from ddtree_sglang.layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import sglang_api as sg
 
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
@@ -165,3 +167,23 @@ def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], No
     return build_grammar_step(batch.reqs, grammar_tree.resolve(), width,
                               batch.sampling_info.vocab_size, device, method, costs)
 
+
+
+def grammar_valid_layout(reqs: list, layout: VerifyLayout, width: int) -> VerifyLayout:
+    """The verify layout of `width` tokens a request cut from the candidate tree `layout`:
+    for a request with a native grammar, its best grammar-valid nodes (grammar_tree.py; the
+    matchers must already hold the previous step's tokens), for any other the tree's first
+    nodes, as truncate_layout.  Reads the candidate tree back to the host (one wait for the
+    draft and tree stages)."""
+    bs, n = layout.tree_parents.shape
+    parents = layout.tree_parents.tolist()
+    tokens = layout.draft_tokens.view(bs, n).tolist()
+    prefix = list(range(width))
+    keep = []
+    for i, req in enumerate(reqs):
+        matcher = native_matcher(req) if req.grammar is not None else None
+        keep.append(prefix if matcher is None else
+                    select_nodes(parents[i], valid_nodes(matcher, parents[i], tokens[i]), width))
+    if all(k is prefix for k in keep):
+        return truncate_layout(layout, width)
+    return select_layout(layout, torch.tensor(keep, dtype=torch.long))

@@ -34,6 +34,7 @@ CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
 GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
 GRAMMAR_METHODS = ("tree", "path", "auto", "python")  # sglang_plugin/grammar_stage.py
 GRAMMAR_BUDGET_ENV = "SGLANG_DDTREE_GRAMMAR_BUDGET"
+GRAMMAR_TREE_ENV = "SGLANG_DDTREE_GRAMMAR_TREE"
 DEFAULT_EXPLORE_EVERY = 32
 DEFAULT_MIN_GAIN = 0.03
 
@@ -126,6 +127,11 @@ _KNOB_LIST = (
          "the batch-aware budget for batches with a grammar: the same costs as the rest "
          "(shared), or step costs and statistics of their own (own: their tree sized by what "
          "their steps, grammar masks included, take on this host)"),
+    Knob(GRAMMAR_TREE_ENV, "all", _choice(GRAMMAR_TREE_ENV, ("all", "valid")),
+         "which candidate nodes a constrained request verifies: the tree's best (all), or its "
+         "best grammar-valid ones (valid: the tree is read back and checked on the host "
+         "before the verify; room to gain where the verify is narrower than the candidate "
+         "tree)"),
     Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
          "log the host's time per decode step by stage"),
     Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),
@@ -159,6 +165,7 @@ class DDTreeSettings:
     cuda_graph_tree: bool
     grammar: str
     grammar_budget: str
+    grammar_tree: str
     host_timing: bool
     budget_trace: bool
 
@@ -196,5 +203,6 @@ class DDTreeSettings:
                    verify_attention_named=VERIFY_ATTENTION_ENV in env,
                    cuda_graph_tree=values[CUDA_GRAPH_TREE_ENV] == "1",
                    grammar=values[GRAMMAR_ENV], grammar_budget=values[GRAMMAR_BUDGET_ENV],
+                   grammar_tree=values[GRAMMAR_TREE_ENV],
                    host_timing=values[HOST_TIMING_ENV] == "1",
                    budget_trace=values[BUDGET_TRACE_ENV] == "1")

@@ -40,7 +40,7 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget
 from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
-                                                      start_grammar_step)
+                                                      grammar_valid_layout, start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.model_io import ModelIO
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
@@ -91,7 +91,7 @@ class DecodeStep:
         plan = self.begin_step(batch)
         hidden = self.draft(batch, plan)
         self.clock.mark("draft")
-        tree = self.build_tree(batch, plan, hidden)
+        tree = self.build_tree(batch, plan, hidden, grammar_barrier)
         self.clock.mark("tree")
         with self.verify_runtime(plan.width):
             verified = self.verify(batch, plan, tree, grammar_barrier)
@@ -156,12 +156,21 @@ class DecodeStep:
         """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
         return self.io.draft_block(batch, plan.draft_input)
 
-    def build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor) -> DraftedTree:
-        """Drafter states -> the trees cut to the plan's budget; with a grammar in the batch,
-        the host copy of the tree that the bitmask needs starts here, before the verify."""
+    def build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor,
+                   grammar_barrier=None) -> DraftedTree:
+        """Drafter states -> the trees cut to the plan's budget (for constrained requests
+        under SGLANG_DDTREE_GRAMMAR_TREE=valid, to their best grammar-valid nodes, once the
+        grammars hold the previous step's tokens: `grammar_barrier`); with a grammar in the
+        batch, the host copy of the tree that the bitmask needs starts here, before the
+        verify."""
         layout, depth_probs = unpack_tree_stage(self.stages.tree(
             hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long()))
-        layout = truncate_layout(layout, plan.width)
+        if batch.has_grammar and self.settings.grammar_tree == "valid":
+            if grammar_barrier is not None:
+                grammar_barrier()
+            layout = grammar_valid_layout(batch.reqs, layout, plan.width)
+        else:
+            layout = truncate_layout(layout, plan.width)
         grammar_tree = None
         if batch.has_grammar:
             grammar_tree = sg.GrammarTree.from_device(
