@@ -149,3 +149,25 @@ def test_the_grammar_valid_layout_cuts_constrained_rows_to_their_valid_nodes(set
     assert got.tree_parents[0].tolist() == [-1, 0, 1, 2, 3, 4] and n == 13
     free_only = grammar_valid_layout([reqs[1], reqs[1]], full, width)
     assert torch.equal(free_only.draft_tokens, plain.draft_tokens)
+
+
+def test_auto_stops_walking_a_request_whose_walk_costs_more_than_its_masks(setup):
+    """The walk's own host time is measured too: a request whose walk (its fallback mask
+    fills) costs more than its tree masks goes back to tree masks."""
+    from ddtree_sglang.sglang_plugin.grammar_stage import grammar_choices
+
+    vocab, compiled, sample = setup
+    reqs = [request("r", compiled, vocab, sample)]
+    first, nxt, tokens, width = links(sample, 1)
+    costs = MaskCosts({"r": 2 * WALK_ABOVE_US})
+    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
+    assert step.walk_rows == (0,) and step.walk_rids == ("r",)
+    logits = torch.zeros(width, vocab)
+    logits[:, vocab - 1] = 5.0  # the target prefers a token the grammar forbids: mask fills
+    grammar_choices(step, logits, logits.argmax(-1).view(1, -1), width, vocab, costs)
+    assert costs.walk_us["r"] > 0
+    costs.walk_us["r"] = 10 * costs.us["r"]  # this walk cost more than the masks would
+    again = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
+    assert again.walk_rows == ()
+    costs.keep_only(set())
+    assert costs.walk_us == {} and costs.us == {}

@@ -40,6 +40,7 @@ that used to overlap the verify pass.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -112,6 +113,7 @@ class PathWalk:
     advanced: int = 0  # tokens accepted into the matcher so far
     choices: dict[int, int] = field(default_factory=dict)
     done: bool = False
+    host_s: float = 0.0  # host seconds of this walk's grammar work (checks and mask fills)
 
     def child(self, node: int, token: int) -> int:
         c = self.first_child[node]
@@ -224,6 +226,7 @@ def walk_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWa
         needs: list[tuple[int, int]] = []
         for w in pending:
             walk = walks[w]
+            started = time.perf_counter()
             while not walk.done:
                 node = walk.node
                 stop = walk.step(values[w][node], ids[w][node], dev_choice[w][node], complete)
@@ -231,13 +234,16 @@ def walk_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWa
                 if stop is not None:
                     needs.append((w, stop))
                     break
+            walk.host_s += time.perf_counter() - started
         if not needs:
             break
         rounds += 1
         masks += len(needs)
         bitmask = allow_all(len(needs), vocab, pin=dev.type == "cuda")
         for i, (w, node) in enumerate(needs):
+            started = time.perf_counter()
             walks[w].matcher.fill_next_token_bitmask(bitmask, i)
+            walks[w].host_s += time.perf_counter() - started
         picked = torch.tensor([rows[w] * width + node for w, node in needs], dtype=torch.long,
                               device=dev)
         chosen = masked_argmax(logits.index_select(0, picked)[:, :vocab],

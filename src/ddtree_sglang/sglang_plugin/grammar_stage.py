@@ -43,9 +43,11 @@ THREADS = 4
 @dataclass
 class MaskCosts:
     """Per request (by rid): the host microseconds its tree masks took at its last masked step,
-    decaying while it walks; the evidence `auto` and the thread pool decide by."""
+    decaying while it walks, and its path walk at its last walked step; the evidence `auto`
+    and the thread pool decide by."""
 
     us: dict[str, float] = field(default_factory=dict)
+    walk_us: dict[str, float] = field(default_factory=dict)
     pool: ThreadPoolExecutor | None = None
 
     def estimate(self, rid: str) -> float:
@@ -54,10 +56,18 @@ class MaskCosts:
     def walked(self, rid: str) -> None:
         self.us[rid] = self.us.get(rid, 0.0) * DECAY
 
+    def walk_is_cheaper(self, rid: str) -> bool:
+        """Whether walking beats tree masks for this request: its tree masks cost more than
+        WALK_ABOVE_US a step and its last walk (if any) cost less than them."""
+        tree = self.estimate(rid)
+        return tree > WALK_ABOVE_US and self.walk_us.get(rid, 0.0) < tree
+
     def keep_only(self, rids: set[str]) -> None:
         """Forget finished requests."""
         if len(self.us) > len(rids):
             self.us = {r: v for r, v in self.us.items() if r in rids}
+        if len(self.walk_us) > len(rids):
+            self.walk_us = {r: v for r, v in self.walk_us.items() if r in rids}
 
     def threads(self) -> ThreadPoolExecutor:
         if self.pool is None:
@@ -77,6 +87,7 @@ class GrammarStep:
     mask: Any | None
     walk_rows: tuple[int, ...]
     walks: tuple[PathWalk, ...]
+    walk_rids: tuple[str, ...] = ()
 
 
 def native_matcher(req) -> Any | None:
@@ -95,7 +106,7 @@ def walks_here(req, matcher, method: str, costs: MaskCosts) -> bool:
     """Whether this request walks its accepted path this step (see the module docstring)."""
     if matcher is None or not walks_greedily(req):
         return False
-    return method == "path" or (method == "auto" and costs.estimate(req.rid) > WALK_ABOVE_US)
+    return method == "path" or (method == "auto" and costs.walk_is_cheaper(req.rid))
 
 
 def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, vocab: int,
@@ -104,7 +115,7 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
     them, and a walk for each greedy one.  links: the host copies of the tree's first-child,
     next-sibling and token arrays, [bs, width] each."""
     next_token, next_sibling, tokens = links
-    walk_rows, walks, masked = [], [], []
+    walk_rows, walks, walk_rids, masked = [], [], [], []
     for i, req in enumerate(reqs):
         if req.grammar is None:
             continue
@@ -113,6 +124,7 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
             walk_rows.append(i)
             walks.append(PathWalk(matcher, next_token[i].tolist(), next_sibling[i].tolist(),
                                   tokens[i].tolist()))
+            walk_rids.append(req.rid)
             costs.walked(req.rid)
         else:  # the python method takes SGLang's traversal for every request
             masked.append((i, req, matcher if method != "python" else None))
@@ -145,16 +157,23 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
         for f in futures:
             f.result()
         mask = sg.GrammarMask(masked[0][1].grammar, bitmask.to(device, non_blocking=True))
-    return GrammarStep(mask=mask, walk_rows=tuple(walk_rows), walks=tuple(walks))
+    return GrammarStep(mask=mask, walk_rows=tuple(walk_rows), walks=tuple(walks),
+                       walk_rids=tuple(walk_rids))
 
 
 def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torch.Tensor,
-                    width: int, vocab: int) -> tuple[torch.Tensor, PathStats | None]:
+                    width: int, vocab: int,
+                    costs: MaskCosts | None = None) -> tuple[torch.Tensor, PathStats | None]:
     """The device's choices [bs, width] with each walked request's path replaced by its
-    grammar's greedy choice (processed logits [bs * width, V], unmasked on walked rows)."""
+    grammar's greedy choice (processed logits [bs * width, V], unmasked on walked rows); each
+    walk's host time goes to `costs`."""
     if step is None or not step.walks:
         return choice, None
-    return follow_paths(logits, choice, step.walk_rows, step.walks, width, vocab)
+    out = follow_paths(logits, choice, step.walk_rows, step.walks, width, vocab)
+    if costs is not None:
+        for rid, walk in zip(step.walk_rids, step.walks):
+            costs.walk_us[rid] = walk.host_s * 1e6
+    return out
 
 
 def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], None] | None,

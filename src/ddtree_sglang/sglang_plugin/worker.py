@@ -215,7 +215,8 @@ class DecodeStep:
         choice = sample_per_node(logits, batch.sampling_info, n,
                                  request_seeds(batch.reqs, logits.device),
                                  lay.positions).view(bs, n)
-        choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size)
+        choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size,
+                                    self.mask_costs)
         commit = StepCommit(*self.stages.accept(lay.draft_tokens.view(bs, n), lay.tree_parents,
                                                 lay.tree_depths, choice))
         return Accepted(choice=choice, commit=commit, penalties=penalties, logits=logits)
