@@ -487,3 +487,23 @@ def test_the_package_s_imports_have_no_cycle():
         graph[name] = edges - {name}
     assert len(graph["ddtree_sglang.sglang_plugin.startup"]) > 10
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+
+def test_every_parent_attribute_the_worker_writes_is_in_the_contract():
+    """DDTreeWorker writes some of DFlashWorkerV2's own attributes for the parent's methods to
+    read (its draft block among them); each such write is listed in contract.ATTRIBUTES, so a
+    renamed parent attribute stops the server instead of leaving the write unread."""
+    import ast
+    import inspect
+    import textwrap
+
+    from ddtree_sglang.sglang_plugin import contract, sglang_api as sg, startup
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(startup.DDTreeWorker)))
+    written = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id == "self"
+               and isinstance(n.ctx, ast.Store)}
+    parents = contract.instance_attributes(sg.DFlashWorkerV2)
+    listed = set(contract.ATTRIBUTES["sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"])
+    assert {"block_size", "speculative_num_draft_tokens"} <= written & parents
+    assert written & parents <= listed

@@ -184,7 +184,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
          "_mask_token_id", "_draft_block_ids_buf", "_draft_block_positions_buf",
          "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf",
          # written by startup.DDTreeWorker.__init__ for the parent's methods to read
-         "_block_pos_offsets", "_draft_block_spec_info"),
+         "block_size", "speculative_num_draft_tokens", "_block_pos_offsets",
+         "_draft_block_spec_info"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2":
         ("bonus_tokens", "max_top_k", "uniform_top_k_value", "reserved_seq_lens_cpu",
          "reserved_seq_lens_sum", "_prepare_batch_seq_lens_cpu_buf",

@@ -44,8 +44,11 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         checks_s = time.perf_counter() - started
         super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
                          target_worker=target_worker)
+        # Read by the parent's draft-block methods (contract.ATTRIBUTES lists them): the parent
+        # took its block from --speculative-num-draft-tokens, which for DDTREE is the verify
+        # width B + 1; the drafter's block is the settings' block_size.
+        self.block_size = s.block_size
         self.speculative_num_draft_tokens = s.verify_width
-        # Read by the parent's draft-block methods (contract.ATTRIBUTES lists them).
         self._block_pos_offsets = sg.build_block_pos_offsets(length=s.block_size,
                                                              device=self.device)
         self._draft_block_spec_info = sg.make_draft_block_spec_info(
