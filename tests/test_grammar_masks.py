@@ -195,3 +195,60 @@ def test_path_walk_restores_the_matcher_when_the_device_step_fails(grammars, mon
     with pytest.raises(RuntimeError, match="device failed"):
         follow_paths(logits, logits.argmax(-1).view(1, 3), [0], [walk], 3, vocab)
     assert allowed_ids(m, vocab) == first and walk.done
+
+
+def seeded_draw(logits: torch.Tensor, req_rows, nodes, top_k: int = 5) -> torch.Tensor:
+    """One draw per row from the top-k filtered softmax of the row (temperature 0.7), with
+    noise that is a function of (request row, node) alone: the same row draws the same token
+    whichever way the rows are batched, as seeded sampling does."""
+    out = []
+    for row, r, j in zip(logits, req_rows, nodes):
+        gen = torch.Generator().manual_seed(1000 * int(r) + int(j))
+        kept = row.topk(top_k)  # the filter acts on the masked distribution
+        u = torch.rand(top_k, generator=gen).clamp_min(1e-9)
+        scores = torch.log_softmax(kept.values / 0.7, -1) - torch.log(-torch.log(u))
+        out.append(kept.indices[scores.argmax()])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "ebnf"])
+def test_sampled_path_masks_commit_what_tree_masks_commit(grammars, kind):
+    """Sampling with a mask per visited node (sample_paths) draws every visited node's token
+    from the same masked, filtered distribution as with a mask per tree node, so the same
+    seeded draws commit the same tokens; the visited rows are left masked (logprobs)."""
+    from ddtree_sglang.grammar_masks import sample_paths
+
+    vocab, compiled = grammars
+    rng, gen = random.Random(23), torch.Generator().manual_seed(23)
+    fills = 0
+    for trial in range(10):
+        matcher = xgr.GrammarMatcher(compiled[kind])
+        parents, tokens, paths = random_tree(matcher, vocab, 24, rng)
+        n = len(tokens)
+        logits = target_logits(paths, tokens, vocab, rng, gen)
+        first, nxt = sibling_links(parents.view(1, -1))
+        depths = torch.tensor([len(p) for p in paths]).view(1, -1)
+        # tree masks: every node masked, every node drawn
+        mask = allow_all(n, vocab)
+        fill_tree_masks(matcher, first[0], nxt[0], tokens, mask)
+        masked = logits.masked_fill(~unpack_bitmask(mask, vocab), float("-inf"))
+        want = seeded_draw(masked, [0] * n, range(n)).view(1, -1)
+        ref = accept_tree(tokens.view(1, -1), parents.view(1, -1), depths, want, 8)
+        # path masks: only the nodes the walk visits
+        walk = PathWalk(matcher, first[0].tolist(), nxt[0].tolist(), tokens.tolist())
+        rows = logits.clone()
+        rounds = sample_paths(rows, [0], [walk], n, vocab,
+                              lambda sub, r, j: seeded_draw(sub, r, j))
+        got = torch.tensor([[walk.choices.get(j, -1) for j in range(n)]])
+        mine = accept_tree(tokens.view(1, -1), parents.view(1, -1), depths, got, 8)
+        assert torch.equal(committed_tokens(tokens.view(1, -1), ref),
+                           committed_tokens(tokens.view(1, -1), mine)), trial
+        visited = sorted(walk.choices)
+        assert rounds == len(visited) and walk.done and walk.advanced == 0
+        assert torch.equal(rows[visited], masked[visited])  # visited rows hold masked logits
+        fills += rounds
+        # the matcher is back at the root: its mask equals the tree's root row
+        root = allow_all(1, vocab)
+        matcher.fill_next_token_bitmask(root, 0)
+        assert torch.equal(root[0], mask[0])
+    assert fills < 10 * 24 / 2  # far fewer masks than tree nodes

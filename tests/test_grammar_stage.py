@@ -67,15 +67,22 @@ def test_who_walks_and_who_gets_masks(setup, method):
     costs = MaskCosts({"greedy": 10 * WALK_ABOVE_US, "sampled": 10 * WALK_ABOVE_US})
     step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", method, costs)
     walks = method in ("path", "auto")
-    assert step.walk_rows == ((0,) if walks else ())
+    assert step.walk_rows == ((0,) if walks else ())  # greedy: the top-K walk
+    # the others walk with a mask per visited node: under path all, under auto the costly
+    sampled = {"path": (1, 2), "auto": (1,)}.get(method, ())
+    assert step.sampled_rows == sampled and len(step.sampled_walks) == len(sampled)
+    tree_masked = [i for i in (0, 1, 2) if i not in step.walk_rows + sampled]
+    if not tree_masked:
+        assert step.mask is None
+        return
     rows = step.mask.vocab_mask.view(len(reqs), width, -1)
-    assert bool((rows[0] == -1).all()) == walks  # a walked request's rows allow everything
-    assert not bool((rows[1] == -1).all()) and bool((rows[3] == -1).all())
+    for i in range(4):  # walked and unconstrained requests' rows allow everything
+        assert bool((rows[i] == -1).all()) == (i not in tree_masked), i
     expect = allow_all(width, vocab)
-    fill_tree_masks(reqs[1].grammar.matcher, first[1], nxt[1], tokens[1], expect)
-    assert torch.equal(rows[1], expect)
-    # evidence: measured for masked requests, decayed for the walked one, finished ones dropped
-    assert costs.us["sampled"] > 0 and "free" not in costs.us
+    fill_tree_masks(reqs[2].grammar.matcher, first[2], nxt[2], tokens[2], expect)
+    assert torch.equal(rows[2], expect)
+    # evidence: measured for masked requests, decayed for walked ones, finished ones dropped
+    assert costs.us["logprobs"] > 0 and "free" not in costs.us
     if walks:
         assert costs.us["greedy"] == pytest.approx(9 * WALK_ABOVE_US)
 

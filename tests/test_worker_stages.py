@@ -345,3 +345,61 @@ def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
                accepted)
     assert observed == [(2, 5, "probs", commit_lens, True)] and clock == ["end"]
     assert out.customized_info == {"ddtree_budget": [5, 5]}
+
+
+class EvenMatcher:
+    """An xgrammar-like matcher whose grammar allows even token ids only."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.depth = vocab, 0
+
+    def accept_token(self, token: int) -> bool:
+        self.depth += token % 2 == 0
+        return token % 2 == 0
+
+    def rollback(self, k: int = 1) -> None:
+        self.depth -= k
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        from ddtree_sglang.grammar_masks import bitmask_words
+
+        bits = torch.zeros(bitmask_words(self.vocab) * 32, dtype=torch.int64)
+        bits[0:self.vocab:2] = 1
+        words = (bits.view(-1, 32) << torch.arange(32)).sum(-1)
+        bitmask[index] = words.to(torch.int64).view(-1).to(torch.int32)
+
+
+def test_a_sampled_walk_masks_only_its_path_and_commits_what_full_masks_commit():
+    """A request walked with a mask per visited node (SGLANG_DDTREE_GRAMMAR=path for a
+    sampled or logprob request) commits what masking every node commits, and its visited rows
+    carry the masked logits."""
+    from ddtree_sglang.grammar_masks import PathWalk
+
+    w = make_step()
+    batch = make_batch()
+    plan = plan_of(batch)
+    tree = drafted(w, batch, plan)
+    lay, n = tree.layout, B + 1
+    logits = torch.randn(2 * n, V, generator=torch.Generator().manual_seed(4))
+    matcher = EvenMatcher(V)
+    walk = PathWalk(matcher, lay.retrieve_next_token[0].tolist(),
+                    lay.retrieve_next_sibling[0].tolist(),
+                    lay.draft_tokens.view(2, n)[0].tolist())
+    step = GrammarStep(mask=None, walk_rows=(), walks=(), sampled_rows=(0,),
+                       sampled_walks=(walk,), sampled_rids=("r",))
+    verified = Verified(None, logits.clone(), None, True, step)
+    acc = w.sample_and_accept(batch, plan, tree, verified)
+    full = logits.clone()
+    full[:n, 1::2] = float("-inf")  # request 0 masked at every node
+    want = full.argmax(-1).view(2, n)
+    ref = StepCommit(*accept_stage(lay.draft_tokens.view(2, n), lay.tree_parents,
+                                   lay.tree_depths, want, 3, BLOCK))
+    assert torch.equal(acc.commit.tokens, ref.tokens)
+    assert torch.equal(acc.commit.commit_lens, ref.commit_lens)
+    visited = sorted(walk.choices)
+    assert torch.equal(acc.logits[visited], full[visited]) and matcher.depth == 0
+    assert len(visited) == int(acc.commit.commit_lens[0])  # one mask per committed token
+    assert w.mask_costs.walk_us["r"] > 0

@@ -27,10 +27,16 @@ mask (plain decoding's rule, applied at the node's prefix).  Two ways to get it:
   forbids), and its masked argmax is then taken on the device (`masked_argmax`), one round
   for all such nodes of the batch.  Nodes off the accepted path cost nothing.
 
-  This does not carry over to sampling: with top-k / top-p / min-p the filter acts on the
-  masked distribution, whose support depends on the mask over the whole vocabulary, and a draw
-  from the unmasked distribution kept only when allowed is not a draw with the same random
-  numbers as plain decoding's.  Sampled and logprob requests therefore keep tree masks.
+  The top-K shortcut does not carry over to sampling: with top-k / top-p / min-p the filter
+  acts on the masked distribution, whose support depends on the mask over the whole
+  vocabulary, and a draw from the unmasked distribution kept only when allowed is not a draw
+  with the same random numbers as plain decoding's.  What does carry over is following the
+  path: **sampled path masks** (`sample_paths`) fill a mask at each node the acceptance walk
+  visits, apply it to that node's logits and draw there, round by round (one read-back per
+  depth reached).  A visited node's draw comes from the same masked, filtered distribution as
+  with tree masks, and no other node's choice is read, so the commit is the same; the visited
+  rows keep their masked logits, which is where logprobs are read.  Masks filled per step:
+  the accepted path's length + 1 instead of the tree's B + 1.
 
 The host work here needs the target's ranking, so a step with greedy constrained requests reads
 the verify's top-K back to the host once (plus once per fallback round); the step already waits
@@ -42,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -135,18 +141,24 @@ class PathWalk:
             if found is None:
                 return node
             choice = found
+        self.move(choice)
+        return None
+
+    def move(self, choice: int) -> None:
+        """Record the current node's choice (one its grammar allows) and go to the child that
+        holds it, advancing the grammar, or end the walk where no child does."""
+        node = self.node
         self.choices[node] = choice
         nxt = self.child(node, choice)
         if nxt == -1:
             self.finish()
-            return None
+            return
         if not self.matcher.is_terminated():
             if not self.matcher.accept_token(choice):  # the choice was allowed: cannot happen
                 self.finish()
                 raise RuntimeError(f"grammar refused token {choice}, its own masked choice")
             self.advanced += 1
         self.node = nxt
-        return None
 
     def finish(self) -> None:
         if self.advanced:
@@ -252,3 +264,46 @@ def walk_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWa
             walks[w].choices[node] = c
         pending = [w for w, _ in needs]
     return nodes, masks, rounds
+
+
+def sample_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWalk],
+                 width: int, vocab: int,
+                 sample: Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]) -> int:
+    """Choices along each walked request's accepted path for requests that need the masked
+    distribution itself (sampling, top-k / top-p / min-p, logprobs): a mask per visited node
+    instead of one per tree node.
+
+    Round by round, every unfinished walk's current node gets its grammar mask (host), which
+    is applied in place to that node's row of `logits` [bs * width, V] (processed: penalties,
+    logit bias), and `sample(masked rows, their requests' batch rows, their nodes)` draws the
+    target's choice there; the walk moves to the child holding it.  Exact: a visited node's
+    choice is drawn from the same masked, filtered distribution as with tree masks, and the
+    acceptance walk reads no other node's choice; the rows of visited nodes hold the masked
+    logits that the committed tokens' logprobs are read from.  Each round reads its draws
+    back (one wait per depth the walks reach).  Returns the rounds; each walk's choices are
+    in `walk.choices`, its host time in `walk.host_s`."""
+    dev = logits.device
+    pending = [w for w, walk in enumerate(walks) if not walk.done]
+    rounds = 0
+    while pending:
+        bitmask = allow_all(len(pending), vocab, pin=dev.type == "cuda")
+        for i, w in enumerate(pending):
+            walk = walks[w]
+            started = time.perf_counter()
+            if not walk.matcher.is_terminated():  # terminated: everything allowed
+                walk.matcher.fill_next_token_bitmask(bitmask, i)
+            walk.host_s += time.perf_counter() - started
+        req_rows = [rows[w] for w in pending]
+        nodes = [walks[w].node for w in pending]
+        picked = torch.tensor([r * width + j for r, j in zip(req_rows, nodes)],
+                              dtype=torch.long, device=dev)
+        allowed = unpack_bitmask(bitmask.to(dev, non_blocking=True), vocab)
+        sub = logits.index_select(0, picked)
+        sub[:, :vocab] = sub[:, :vocab].masked_fill(~allowed, float("-inf"))
+        logits.index_copy_(0, picked, sub)
+        chosen = sample(sub, req_rows, nodes).tolist()
+        for w, c in zip(pending, chosen):
+            walks[w].move(int(c))
+        pending = [w for w in pending if not walks[w].done]
+        rounds += 1
+    return rounds

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
-                                         follow_paths)
+                                         follow_paths, sample_paths)
 from ddtree_sglang.grammar_tree import select_layout, select_nodes, valid_nodes
 from ddtree_sglang.layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import sglang_api as sg
@@ -88,6 +88,9 @@ class GrammarStep:
     walk_rows: tuple[int, ...]
     walks: tuple[PathWalk, ...]
     walk_rids: tuple[str, ...] = ()
+    sampled_rows: tuple[int, ...] = ()
+    sampled_walks: tuple[PathWalk, ...] = ()
+    sampled_rids: tuple[str, ...] = ()
 
 
 def native_matcher(req) -> Any | None:
@@ -103,8 +106,9 @@ def walks_greedily(req) -> bool:
 
 
 def walks_here(req, matcher, method: str, costs: MaskCosts) -> bool:
-    """Whether this request walks its accepted path this step (see the module docstring)."""
-    if matcher is None or not walks_greedily(req):
+    """Whether this request walks its accepted path this step (see the module docstring):
+    greedily by the target's top-K (walks_greedily), or else with a mask per visited node."""
+    if matcher is None:
         return False
     return method == "path" or (method == "auto" and costs.walk_is_cheaper(req.rid))
 
@@ -115,21 +119,25 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
     them, and a walk for each greedy one.  links: the host copies of the tree's first-child,
     next-sibling and token arrays, [bs, width] each."""
     next_token, next_sibling, tokens = links
-    walk_rows, walks, walk_rids, masked = [], [], [], []
+    walked = {True: ([], [], []), False: ([], [], [])}  # greedy? -> rows, walks, rids
+    masked = []
     for i, req in enumerate(reqs):
         if req.grammar is None:
             continue
         matcher = native_matcher(req)
         if walks_here(req, matcher, method, costs):
-            walk_rows.append(i)
+            rows, walks, rids = walked[walks_greedily(req)]
+            rows.append(i)
             walks.append(PathWalk(matcher, next_token[i].tolist(), next_sibling[i].tolist(),
                                   tokens[i].tolist()))
-            walk_rids.append(req.rid)
+            rids.append(req.rid)
             costs.walked(req.rid)
         else:  # the python method takes SGLang's traversal for every request
             masked.append((i, req, matcher if method != "python" else None))
     costs.keep_only({r.rid for r in reqs if r.grammar is not None})
-    if not masked and not walks:
+    (walk_rows, walks, walk_rids), (sampled_rows, sampled, sampled_rids) = walked[True], \
+        walked[False]
+    if not masked and not walks and not sampled:
         return None
     mask = None
     if masked:
@@ -158,7 +166,8 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
             f.result()
         mask = sg.GrammarMask(masked[0][1].grammar, bitmask.to(device, non_blocking=True))
     return GrammarStep(mask=mask, walk_rows=tuple(walk_rows), walks=tuple(walks),
-                       walk_rids=tuple(walk_rids))
+                       walk_rids=tuple(walk_rids), sampled_rows=tuple(sampled_rows),
+                       sampled_walks=tuple(sampled), sampled_rids=tuple(sampled_rids))
 
 
 def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torch.Tensor,
@@ -172,6 +181,33 @@ def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torc
     out = follow_paths(logits, choice, step.walk_rows, step.walks, width, vocab)
     if costs is not None:
         for rid, walk in zip(step.walk_rids, step.walks):
+            costs.walk_us[rid] = walk.host_s * 1e6
+    return out
+
+
+def sampled_grammar_choices(step: GrammarStep | None, logits: torch.Tensor,
+                            choice: torch.Tensor, width: int, vocab: int, sample,
+                            costs: MaskCosts | None = None) -> torch.Tensor:
+    """The choices [bs, width] with each sampled walk's path nodes drawn under their masks
+    (grammar_masks.sample_paths; `sample(rows, req_rows, nodes)` draws one token per masked
+    logits row); the visited rows of `logits` are left masked for the logprobs."""
+    if step is None or not step.sampled_walks:
+        return choice
+    walks = step.sampled_walks
+    try:
+        sample_paths(logits, step.sampled_rows, walks, width, vocab, sample)
+    finally:  # every matcher back where the step found it, also on an error
+        for walk in walks:
+            if not walk.done:
+                walk.finish()
+    rows = torch.tensor(step.sampled_rows, dtype=torch.long, device=choice.device)
+    current = choice.index_select(0, rows).tolist()
+    override = torch.tensor([[walk.choices.get(j, current[w][j]) for j in range(width)]
+                             for w, walk in enumerate(walks)], dtype=choice.dtype)
+    out = choice.clone()
+    out.index_copy_(0, rows, override.to(choice.device, non_blocking=True))
+    if costs is not None:
+        for rid, walk in zip(step.sampled_rids, walks):
             costs.walk_us[rid] = walk.host_s * 1e6
     return out
 

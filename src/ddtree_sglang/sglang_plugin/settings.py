@@ -120,9 +120,10 @@ _KNOB_LIST = (
     Knob(CUDA_GRAPH_TREE_ENV, "1", _choice(CUDA_GRAPH_TREE_ENV, ("1", "0")),
          "CUDA graphs for the tree and acceptance stages"),
     Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, GRAMMAR_METHODS),
-         "structured output's masks: native per node (tree), along the accepted path for "
-         "greedy requests (path), path where a request's tree masks are costly (auto), or "
-         "SGLang's Python traversal (python)"),
+         "structured output's masks: native per node (tree), along the accepted path "
+         "(path: greedy requests by the target's top-K, others with a mask per visited node), "
+         "path where a request's tree masks cost more than its walk (auto), or SGLang's "
+         "Python traversal (python)"),
     Knob(GRAMMAR_BUDGET_ENV, "shared", _choice(GRAMMAR_BUDGET_ENV, ("shared", "own")),
          "the batch-aware budget for batches with a grammar: the same costs as the rest "
          "(shared), or step costs and statistics of their own (own: their tree sized by what "

@@ -40,7 +40,9 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget
 from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
-                                                      grammar_valid_layout, start_grammar_step)
+                                                      grammar_valid_layout,
+                                                      sampled_grammar_choices,
+                                                      start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.model_io import ModelIO
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
@@ -49,26 +51,34 @@ from ddtree_sglang.sglang_plugin.step_records import Accepted, DraftedTree, Step
 from ddtree_sglang.sglang_plugin.tree_stages import TreeStages
 
 
-def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
-                    seeds: torch.Tensor | None = None,
-                    positions: torch.Tensor | None = None) -> torch.Tensor:
-    """[bs * n] the target's choice at every node: argmax, or one draw from the filtered
-    distribution (ddtree_sglang.sampling, joint top-k/top-p, with sgl_kernel's renorm kernels;
-    rows of seeded requests draw as a function of (seed, node position))."""
+def sample_for_requests(logits: torch.Tensor, sampling_info, req_index: torch.Tensor,
+                        seeds: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows] the target's choice for each row of `logits` [rows, V], row r with request
+    req_index[r]'s settings: argmax, or one draw from the filtered distribution
+    (ddtree_sglang.sampling, joint top-k/top-p, with sgl_kernel's renorm kernels; rows of
+    seeded requests draw as a function of (seed, the row's node position))."""
     if sampling_info is None or sampling_info.is_all_greedy:
         return logits.argmax(dim=-1)
 
-    def per_node(x):
-        return torch.repeat_interleave(x, n, dim=0)
+    def pick(x):
+        return x.index_select(0, req_index)
 
     si = sampling_info
     return sample_rows(
-        logits, per_node(si.temperatures),
-        per_node(si.top_ks) if si.need_top_k_sampling else None,
-        per_node(si.top_ps) if si.need_top_p_sampling else None,
-        per_node(si.min_ps) if si.need_min_p_sampling else None,
+        logits, pick(si.temperatures), pick(si.top_ks) if si.need_top_k_sampling else None,
+        pick(si.top_ps) if si.need_top_p_sampling else None,
+        pick(si.min_ps) if si.need_min_p_sampling else None,
         top_k_renorm=sg.top_k_renorm_prob, top_p_renorm=sg.top_p_renorm_prob,
-        seeds=None if seeds is None else per_node(seeds), positions=positions)
+        seeds=None if seeds is None else pick(seeds), positions=positions)
+
+
+def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
+                    seeds: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[bs * n] the target's choice at every node of [bs * n, V] logits."""
+    req_index = torch.arange(logits.shape[0] // n, device=logits.device).repeat_interleave(n)
+    return sample_for_requests(logits, sampling_info, req_index, seeds, positions)
 
 
 class DecodeStep:
@@ -212,11 +222,20 @@ class DecodeStep:
                            lay.tree_depths, self.depth)
         sg.apply_dflash_verify_logits_adjustments(
             next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
-        choice = sample_per_node(logits, batch.sampling_info, n,
-                                 request_seeds(batch.reqs, logits.device),
+        seeds = request_seeds(batch.reqs, logits.device)
+        choice = sample_per_node(logits, batch.sampling_info, n, seeds,
                                  lay.positions).view(bs, n)
         choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size,
                                     self.mask_costs)
+
+        def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
+            index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
+            flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
+            return sample_for_requests(rows, batch.sampling_info, index, seeds,
+                                       lay.positions.index_select(0, flat))
+
+        choice = sampled_grammar_choices(grammar, logits, choice, n, self.vocab_size, sample,
+                                         self.mask_costs)
         commit = StepCommit(*self.stages.accept(lay.draft_tokens.view(bs, n), lay.tree_parents,
                                                 lay.tree_depths, choice))
         return Accepted(choice=choice, commit=commit, penalties=penalties, logits=logits)
