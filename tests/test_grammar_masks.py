@@ -85,6 +85,16 @@ def target_logits(paths, tokens, vocab: int, rng: random.Random, gen) -> torch.T
     return logits
 
 
+def random_cases(compiled, vocab: int, seed: int, trials: int, size: int):
+    """(trial, fresh matcher, parents, tokens, paths, target logits) of random trees."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        matcher = xgr.GrammarMatcher(compiled)
+        parents, tokens, paths = random_tree(matcher, vocab, size, rng)
+        yield trial, matcher, parents, tokens, paths, target_logits(paths, tokens, vocab, rng,
+                                                                   gen)
+
+
 def full_mask_choice(matcher, next_tok, next_sib, tokens, logits, vocab):
     mask = allow_all(len(tokens), vocab)
     fill_tree_masks(matcher, next_tok, next_sib, tokens, mask)
@@ -219,13 +229,10 @@ def test_sampled_path_masks_commit_what_tree_masks_commit(grammars, kind):
     from ddtree_sglang.grammar_masks import sample_paths
 
     vocab, compiled = grammars
-    rng, gen = random.Random(23), torch.Generator().manual_seed(23)
     fills = 0
-    for trial in range(10):
-        matcher = xgr.GrammarMatcher(compiled[kind])
-        parents, tokens, paths = random_tree(matcher, vocab, 24, rng)
+    for trial, matcher, parents, tokens, paths, logits in random_cases(compiled[kind], vocab,
+                                                                        23, 10, 24):
         n = len(tokens)
-        logits = target_logits(paths, tokens, vocab, rng, gen)
         first, nxt = sibling_links(parents.view(1, -1))
         depths = torch.tensor([len(p) for p in paths]).view(1, -1)
         # tree masks: every node masked, every node drawn

@@ -15,7 +15,7 @@ from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks, masked_argma
 from ddtree_sglang.grammar_tree import select_layout, select_nodes, valid_nodes  # noqa: E402
 from ddtree_sglang.layout import build_verify_layout, truncate_layout  # noqa: E402
 
-from test_grammar_masks import grammars, random_tree, target_logits  # noqa: E402,F401
+from test_grammar_masks import grammars, random_cases, random_tree  # noqa: E402,F401
 
 KINDS = ["json", "regex", "ebnf"]
 
@@ -100,13 +100,10 @@ def test_verifying_the_valid_tree_commits_masked_greedy_decoding_and_never_less(
     node kept by both trees gets the same choice; the valid tree keeps every valid node of the
     unpruned one, hence commits the same masked-greedy tokens, at least as many."""
     vocab, compiled = grammars
-    rng, gen = random.Random(17), torch.Generator().manual_seed(17)
     longer = 0
-    for trial in range(12):
-        matcher = xgr.GrammarMatcher(compiled[kind])
-        parents, tokens, paths = random_tree(matcher, vocab, 30, rng)
-        logits_by_path = dict(zip(map(tuple, paths), target_logits(paths, tokens, vocab, rng,
-                                                                   gen)))
+    for trial, matcher, parents, tokens, paths, logits in random_cases(compiled[kind], vocab,
+                                                                        17, 12, 30):
+        logits_by_path = dict(zip(map(tuple, paths), logits))
         parents, tokens = parents.tolist(), tokens.tolist()
         width = 10
         full = layout_of(parents, tokens)
