@@ -219,11 +219,35 @@ def follow_paths(logits: torch.Tensor, device_choice: torch.Tensor, rows: Sequen
         for walk in walks:
             if not walk.done:
                 walk.finish()
-    override = torch.tensor([[walk.choices.get(j, dev_choice[w][j]) for j in range(width)]
+    return with_walk_choices(device_choice, row_t, dev_choice, walks, width), \
+        PathStats(nodes, masks, rounds)
+
+
+def with_walk_choices(device_choice: torch.Tensor, row_t: torch.Tensor, host_choice: list,
+                      walks: Sequence[PathWalk], width: int) -> torch.Tensor:
+    """device_choice [bs, width] with the walked rows `row_t` taking each walk's choices where
+    it decided one (host_choice: those rows' device choices, read back)."""
+    override = torch.tensor([[walk.choices.get(j, host_choice[w][j]) for j in range(width)]
                              for w, walk in enumerate(walks)], dtype=device_choice.dtype)
     out = device_choice.clone()
-    out.index_copy_(0, row_t, override.to(dev, non_blocking=True))
-    return out, PathStats(nodes, masks, rounds)
+    out.index_copy_(0, row_t, override.to(device_choice.device, non_blocking=True))
+    return out
+
+
+def follow_sampled_paths(logits: torch.Tensor, device_choice: torch.Tensor,
+                         rows: Sequence[int], walks: Sequence[PathWalk], width: int, vocab: int,
+                         sample: Callable) -> tuple[torch.Tensor, int]:
+    """The choices [bs, width] with each walked row's path nodes drawn under their masks
+    (sample_paths), and the rounds it took; every matcher is back where it was after."""
+    try:
+        rounds = sample_paths(logits, rows, walks, width, vocab, sample)
+    finally:  # also on an error
+        for walk in walks:
+            if not walk.done:
+                walk.finish()
+    row_t = torch.tensor(rows, dtype=torch.long, device=device_choice.device)
+    host = device_choice.index_select(0, row_t).tolist()
+    return with_walk_choices(device_choice, row_t, host, walks, width), rounds
 
 
 def walk_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWalk], width: int,

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
-                                         follow_paths, sample_paths)
+                                         follow_paths, follow_sampled_paths)
 from ddtree_sglang.grammar_tree import select_layout, select_nodes, valid_nodes
 from ddtree_sglang.layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import sglang_api as sg
@@ -193,21 +193,10 @@ def sampled_grammar_choices(step: GrammarStep | None, logits: torch.Tensor,
     logits row); the visited rows of `logits` are left masked for the logprobs."""
     if step is None or not step.sampled_walks:
         return choice
-    walks = step.sampled_walks
-    try:
-        sample_paths(logits, step.sampled_rows, walks, width, vocab, sample)
-    finally:  # every matcher back where the step found it, also on an error
-        for walk in walks:
-            if not walk.done:
-                walk.finish()
-    rows = torch.tensor(step.sampled_rows, dtype=torch.long, device=choice.device)
-    current = choice.index_select(0, rows).tolist()
-    override = torch.tensor([[walk.choices.get(j, current[w][j]) for j in range(width)]
-                             for w, walk in enumerate(walks)], dtype=choice.dtype)
-    out = choice.clone()
-    out.index_copy_(0, rows, override.to(choice.device, non_blocking=True))
+    out, _ = follow_sampled_paths(logits, choice, step.sampled_rows, step.sampled_walks, width,
+                                  vocab, sample)
     if costs is not None:
-        for rid, walk in zip(step.sampled_rids, walks):
+        for rid, walk in zip(step.sampled_rids, step.sampled_walks):
             costs.walk_us[rid] = walk.host_s * 1e6
     return out
 

@@ -20,9 +20,10 @@ runs five stages over the records of step_records.py, the verify inside its widt
   commit            the accepted nodes' target KV moves to the committed positions, their
                     hidden states enter the draft KV, and the committed tokens' logprobs are
                     read off the same node logits when asked.
-No stage reads tensors back to the host, except the greedy grammar walk (SGLANG_DDTREE_GRAMMAR
-path or auto, in steps where a greedy constrained request walks), which reads the target's
-top-K per node.  The step reaches the models and DFLASH's buffers only through `io`
+No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
+(SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
+target's top-K per node (greedy) or each depth's draws (sampled), and the grammar-valid tree
+(SGLANG_DDTREE_GRAMMAR_TREE=valid) reads the candidate tree before the verify.  The step reaches the models and DFLASH's buffers only through `io`
 (model_io.py); startup.py builds it and captures its graphs.
 """
 
