@@ -187,9 +187,54 @@ def markdown(results: dict) -> str:
             lines.append(f"- {kind}, {arm}: {c['identical']} / {c['identical'] + c['diverged']}"
                          f" identical; {c['diverged_at_near_tie']} near-tie, "
                          f"{c['diverged_not_tie']} not")
+    lines += goal_lines(results["rows"], arms)
     if results.get("failures"):
         lines += ["", f"Arms that failed to start: {results['failures']}"]
     return "\n".join(lines) + "\n"
+
+
+def grammar_tax(rows: list[dict], arm: str, kind: str, conc: int) -> float | None:
+    """tok/s with the grammar / without one (kind "none"), same arm and concurrency."""
+    def tok(k):
+        return next((r["output_tok_s"] for r in rows if (r["arm"], r["kind"],
+                     r["concurrency"]) == (arm, k, conc) and r.get("output_tok_s")), None)
+
+    with_grammar, without = tok(kind), tok("none")
+    return with_grammar / without if with_grammar and without else None
+
+
+def goal_lines(rows: list[dict], arms: list[str]) -> list[str]:
+    """The issue's goals per (kind, concurrency) for each DDTREE arm: >= DFLASH with the same
+    grammar (median of paired rounds), >= plain at c = 1, and a grammar tax at least DFLASH's
+    (where kind "none" ran on the same servers)."""
+    ddtree = [a for a in arms if a.startswith("ddtree")]
+    if not ddtree or "dflash" not in arms:
+        return []
+    lines = ["", "Goals per DDTREE arm: x DFLASH (>= 1.0), x plain at c = 1 (>= 1.0), grammar "
+             "tax = tok/s with grammar / without, same server (DDTREE >= DFLASH).", "",
+             "| kind | c | arm | x DFLASH | x plain | tax DDTREE / DFLASH | all met |",
+             "|---|---|---|---|---|---|---|"]
+    cells_ = {}
+    for r in rows:
+        if r["kind"] != "none":
+            cells_.setdefault((r["kind"], r["concurrency"]), []).append(r)
+    for (kind, conc), cell in cells_.items():
+        for arm in ddtree:
+            vs_dflash, vs_plain = ratio_to(cell, arm, "dflash"), ratio_to(cell, arm, "plain")
+            if vs_dflash is None:
+                continue
+            tax, tax_dflash = grammar_tax(rows, arm, kind, conc), grammar_tax(rows, "dflash",
+                                                                               kind, conc)
+            checks = [vs_dflash["median"] >= 1.0]
+            if conc == 1 and vs_plain is not None:
+                checks.append(vs_plain["median"] >= 1.0)
+            if tax is not None and tax_dflash is not None:
+                checks.append(tax >= tax_dflash)
+            plain_txt = f"{vs_plain['median']:.2f}" if conc == 1 and vs_plain else "-"
+            tax_txt = f"{tax:.2f} / {tax_dflash:.2f}" if tax and tax_dflash else "-"
+            lines.append(f"| {kind} | {conc} | {arm} | {vs_dflash['median']:.2f} | {plain_txt} "
+                         f"| {tax_txt} | {'yes' if all(checks) else 'no'} |")
+    return lines
 
 
 def main() -> None:
