@@ -5,7 +5,8 @@
 #   bash scripts/gpu_run.sh micro     # dense layers by verify rows, tree build, attention tiles (~5 min)
 #   bash scripts/gpu_run.sh kernel    # tree-attention kernel vs float32, verify-attention timings (~5 min)
 #   bash scripts/gpu_run.sh e2e       # real-server checks vs plain SGLang (ARMS=..., E2E_ARGS=...) (~8 min)
-#   bash scripts/gpu_run.sh features  # grammars, logprobs, mixed batch vs plain SGLang (SECTIONS=...) (~6 min)
+#   bash scripts/gpu_run.sh features  # grammars, logprobs, mixed batch vs plain SGLang (SECTIONS=...,
+#                                     # DDTREE_ENV=SGLANG_DDTREE_GRAMMAR=path,...) (~6 min)
 #   bash scripts/gpu_run.sh grammar   # structured output under load, DDTREE grammar methods vs DFLASH
 #                                     # and plain (GRAMMAR_ARGS=... for benchmarks/grammar_serve.py)
 #   bash scripts/gpu_run.sh rel       # reliability edges vs plain SGLang, 4 servers          (~8 min)
@@ -62,7 +63,8 @@ case "${1:-}" in
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
              --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton,plain_flashinfer}
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
-  features) timeout "$LIMIT" python tests/gpu/features.py --out "$OUT/features" ${SECTIONS:+--sections $SECTIONS}
+  features) timeout "$LIMIT" python tests/gpu/features.py --out "$OUT/features" ${SECTIONS:+--sections $SECTIONS} \
+             ${DDTREE_ENV:+--ddtree-env $DDTREE_ENV}
          mkdir -p "$OUT/features/logs" && mv "$OUT"/features/server_*.log "$OUT/features/logs/" 2>/dev/null; pack "$OUT/features" ;;
   grammar) timeout "$LIMIT" python benchmarks/grammar_serve.py --out "$OUT/grammar" ${GRAMMAR_ARGS:-}
          pack "$OUT/grammar" ;;

@@ -449,6 +449,23 @@ def feature_probe(url: str, prompt: list[int], text: str) -> dict:
     return out
 
 
+def knob_settings(text: str) -> dict[str, str]:
+    """"K=V,K=V" -> {K: V}, each a DDTREE knob setting (settings.check_env's errors)."""
+    from ddtree_sglang.sglang_plugin.settings import DDTreeConfigError, check_env
+
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise DDTreeConfigError(f"{item!r} is not NAME=value")
+            check_env(name, value)
+        except DDTreeConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        out[name] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -456,6 +473,9 @@ def main() -> None:
     ap.add_argument("--testbed", type=Path, default=ROOT / "testbed")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="comma list of " + ", ".join(SECTIONS))
+    ap.add_argument("--ddtree-env", type=knob_settings, default={},
+                    help="comma list of SGLANG_DDTREE_*=value for the DDTREE server (e.g. "
+                         "SGLANG_DDTREE_GRAMMAR=path), checked like a server's")
     args = ap.parse_args()
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
@@ -472,7 +492,8 @@ def main() -> None:
     texts = [tok.decode(p[:48]) for p in base]
     extra = ["--constrained-json-disable-any-whitespace"]
     specs = {"plain": ServerSpec(target, "plain", extra_args=extra),
-             "ddtree": ServerSpec(target, "ddtree", "DDTREE", drafter, extra_args=extra),
+             "ddtree": ServerSpec(target, "ddtree", "DDTREE", drafter, extra_args=extra,
+                                  env=args.ddtree_env),
              "dflash": ServerSpec(target, "dflash", "DFLASH", drafter, extra_args=extra)}
     servers = {}
     for name, spec in specs.items():
