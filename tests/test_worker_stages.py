@@ -403,3 +403,28 @@ def test_a_sampled_walk_masks_only_its_path_and_commits_what_full_masks_commit()
     assert torch.equal(acc.logits[visited], full[visited]) and matcher.depth == 0
     assert len(visited) == int(acc.commit.commit_lens[0])  # one mask per committed token
     assert w.mask_costs.walk_us["r"] > 0
+
+
+def test_per_node_sampling_draws_each_row_with_its_request_s_settings():
+    """sample_per_node (every node) and sample_for_requests (any rows, e.g. a sampled walk's
+    visited nodes) draw a row with its own request's temperature, min-p and seed: the same
+    seeded draw whichever way the rows are gathered."""
+    from ddtree_sglang.sampling import sample_rows
+
+    n, gen = 5, torch.Generator().manual_seed(9)
+    logits = torch.randn(2 * n, V, generator=gen)
+    si = SimpleNamespace(is_all_greedy=False, temperatures=torch.tensor([[0.7], [1.3]]),
+                         top_ks=torch.tensor([V, V]), top_ps=torch.tensor([1.0, 1.0]),
+                         min_ps=torch.tensor([0.0, 0.05]), need_top_k_sampling=False,
+                         need_top_p_sampling=False, need_min_p_sampling=True)
+    seeds, positions = torch.tensor([11, 12]), torch.arange(2 * n) % n + 40
+    got = wmod.sample_per_node(logits, si, n, seeds, positions)
+    want = sample_rows(logits, si.temperatures.repeat_interleave(n, 0), None, None,
+                       si.min_ps.repeat_interleave(n, 0), seeds=seeds.repeat_interleave(n),
+                       positions=positions)
+    assert torch.equal(got, want)
+    rows = torch.tensor([7, 2, 9])  # request 1's node 2, request 0's node 2, request 1's node 4
+    some = wmod.sample_for_requests(logits[rows], si, rows // n, seeds, positions[rows])
+    assert torch.equal(some, got[rows])
+    greedy = SimpleNamespace(is_all_greedy=True)
+    assert torch.equal(wmod.sample_per_node(logits, greedy, n), logits.argmax(-1))

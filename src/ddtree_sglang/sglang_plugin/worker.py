@@ -117,9 +117,11 @@ class DecodeStep:
     def begin_step(self, batch) -> StepPlan:
         """The step's plan (batch size, budget, the relay state it starts from); starts the
         step clock and the budget controller's step.  The one place the step itself changes
-        the batch it is given: seq_lens clamped (below).  (SGLang's verify preparation writes
-        its own fields, see model_io.DFlashModelIO.target_verify; no stage reads them back
-        from the batch: the tree's KV slots travel in Verified.)"""
+        the batch it is given: seq_lens clamped (below).  Two writes happen where SGLang's
+        conventions put them: its verify preparation's fields (model_io.DFlashModelIO.
+        target_verify; no stage reads them back: the tree's KV slots travel in Verified) and
+        the reset of sampling_info.grammar_mask, which would otherwise carry the prefill's
+        mask into the step (grammar_stage.start_grammar_step)."""
         draft_input = batch.spec_info
         if not isinstance(draft_input, sg.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
