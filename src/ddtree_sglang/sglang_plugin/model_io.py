@@ -2,9 +2,9 @@
 
 `ModelIO` is the step's view (worker.DecodeStep takes one; tests pass their own);
 `DFlashModelIO` serves it from a running DFlashWorkerV2: the draft block through DFLASH's
-block buffers, the tree verify through
-SGLang's EAGLE verify input, the KV move, the features appended to the draft KV and the
-relay state of the next step.
+block buffers, the tree verify through SGLang's EAGLE verify input, the KV move, the features
+appended to the draft KV and the relay state of the next step.  `draft_logits` is the
+drafter's head (the target's lm_head), which the tree stage runs inside its CUDA graph.
 """
 
 from __future__ import annotations
