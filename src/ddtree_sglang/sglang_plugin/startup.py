@@ -1,8 +1,9 @@
 """DDTreeWorker: SGLang's DFlash worker with the linear verify replaced by a draft tree.
 
-This is the class SGLang instantiates for `--speculative-algorithm DDTREE`, and what it does
-at startup: the contract check, the kernel choice, the tree-verify attention install, the
-CUDA-graph capture of the tree and accept stages, the batch-aware budget's per-width runtimes.
+This is the class SGLang instantiates for `--speculative-algorithm DDTREE` (plugin.py checks
+the SGLang contract before importing this module), and what it does at startup: the kernel
+choice, the tree-verify attention install, the CUDA-graph capture of the tree and accept
+stages, the batch-aware budget's per-width runtimes.
 Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
 DFlashWorkerV2's.  A decode step is worker.DecodeStep's, built once the KV pools exist
 (init_cuda_graphs); prefill is DFLASH's, run here so that requests with logprobs are served.
