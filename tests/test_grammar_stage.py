@@ -67,11 +67,11 @@ def test_who_walks_and_who_gets_masks(setup, method):
     costs = MaskCosts({"greedy": 10 * WALK_ABOVE_US, "sampled": 10 * WALK_ABOVE_US})
     step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", method, costs)
     walks = method in ("path", "auto")
-    assert step.walk_rows == ((0,) if walks else ())  # greedy: the top-K walk
+    assert step.greedy.rows == ((0,) if walks else ())  # greedy: the top-K walk
     # the others walk with a mask per visited node: under path all, under auto the costly
     sampled = {"path": (1, 2), "auto": (1,)}.get(method, ())
-    assert step.sampled_rows == sampled and len(step.sampled_walks) == len(sampled)
-    tree_masked = [i for i in (0, 1, 2) if i not in step.walk_rows + sampled]
+    assert step.sampled.rows == sampled and len(step.sampled.walks) == len(sampled)
+    tree_masked = [i for i in (0, 1, 2) if i not in step.greedy.rows + sampled]
     if not tree_masked:
         assert step.mask is None
         return
@@ -93,12 +93,12 @@ def test_auto_walks_only_costly_requests_and_retries_tree_masks(setup):
     first, nxt, tokens, width = links(sample, 2)
     costs = MaskCosts({"cheap": 1.0, "costly": 1.05 * WALK_ABOVE_US})
     step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
-    assert step.walk_rows == (1,)
+    assert step.greedy.rows == (1,)
     assert costs.us["costly"] < WALK_ABOVE_US  # decayed: the next step measures tree masks
     cheap_measured = costs.us["cheap"]
     step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
-    assert 1 not in step.walk_rows and costs.us["costly"] > 0
-    assert (0 in step.walk_rows) == (cheap_measured > WALK_ABOVE_US)
+    assert 1 not in step.greedy.rows and costs.us["costly"] > 0
+    assert (0 in step.greedy.rows) == (cheap_measured > WALK_ABOVE_US)
 
 
 def test_threaded_tree_masks_equal_serial_ones(setup):
@@ -168,13 +168,13 @@ def test_auto_stops_walking_a_request_whose_walk_costs_more_than_its_masks(setup
     first, nxt, tokens, width = links(sample, 1)
     costs = MaskCosts({"r": 2 * WALK_ABOVE_US})
     step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
-    assert step.walk_rows == (0,) and step.walk_rids == ("r",)
+    assert step.greedy.rows == (0,) and step.greedy.rids == ("r",)
     logits = torch.zeros(width, vocab)
     logits[:, vocab - 1] = 5.0  # the target prefers a token the grammar forbids: mask fills
     grammar_choices(step, logits, logits.argmax(-1).view(1, -1), width, vocab, costs)
     assert costs.walk_us["r"] > 0
     costs.walk_us["r"] = 10 * costs.us["r"]  # this walk cost more than the masks would
     again = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
-    assert again.walk_rows == ()
+    assert again.greedy.rows == ()
     costs.keep_only(set())
     assert costs.walk_us == {} and costs.us == {}

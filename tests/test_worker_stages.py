@@ -15,7 +15,7 @@ from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
 from ddtree_sglang.layout import VerifyLayout  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg, worker as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
-from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts  # noqa: E402
+from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts, Walks  # noqa: E402
 from ddtree_sglang.sglang_plugin.model_io import draft_logits  # noqa: E402
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState  # noqa: E402
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
@@ -196,7 +196,7 @@ def test_sample_and_accept_masks_every_node_before_choosing():
     logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
     verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
                         can_run_graph=True,
-                        grammar=GrammarStep(mask=EvenTokens(), walk_rows=(), walks=()))
+                        grammar=GrammarStep(mask=EvenTokens()))
     acc = w.sample_and_accept(batch, plan, tree, verified)
     assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar
     masked = logits.clone()
@@ -388,8 +388,7 @@ def test_a_sampled_walk_masks_only_its_path_and_commits_what_full_masks_commit()
     walk = PathWalk(matcher, lay.retrieve_next_token[0].tolist(),
                     lay.retrieve_next_sibling[0].tolist(),
                     lay.draft_tokens.view(2, n)[0].tolist())
-    step = GrammarStep(mask=None, walk_rows=(), walks=(), sampled_rows=(0,),
-                       sampled_walks=(walk,), sampled_rids=("r",))
+    step = GrammarStep(mask=None, sampled=Walks((0,), (walk,), ("r",)))
     verified = Verified(None, logits.clone(), None, True, step)
     acc = w.sample_and_accept(batch, plan, tree, verified)
     full = logits.clone()

@@ -219,18 +219,18 @@ def follow_paths(logits: torch.Tensor, device_choice: torch.Tensor, rows: Sequen
         for walk in walks:
             if not walk.done:
                 walk.finish()
-    return with_walk_choices(device_choice, row_t, dev_choice, walks, width), \
-        PathStats(nodes, masks, rounds)
+    return with_walk_choices(device_choice, rows, walks), PathStats(nodes, masks, rounds)
 
 
-def with_walk_choices(device_choice: torch.Tensor, row_t: torch.Tensor, host_choice: list,
-                      walks: Sequence[PathWalk], width: int) -> torch.Tensor:
-    """device_choice [bs, width] with the walked rows `row_t` taking each walk's choices where
-    it decided one (host_choice: those rows' device choices, read back)."""
-    override = torch.tensor([[walk.choices.get(j, host_choice[w][j]) for j in range(width)]
-                             for w, walk in enumerate(walks)], dtype=device_choice.dtype)
+def with_walk_choices(device_choice: torch.Tensor, rows: Sequence[int],
+                      walks: Sequence[PathWalk]) -> torch.Tensor:
+    """device_choice [bs, width] with each walked row's decided nodes (walk.choices) set to
+    the walk's choices; every other entry as it was."""
+    decided = [(r, j, c) for r, walk in zip(rows, walks) for j, c in walk.choices.items()]
     out = device_choice.clone()
-    out.index_copy_(0, row_t, override.to(device_choice.device, non_blocking=True))
+    if decided:
+        row, node, choice = torch.tensor(decided, dtype=torch.long, device=out.device).T
+        out[row, node] = choice.to(out.dtype)
     return out
 
 
@@ -245,9 +245,7 @@ def follow_sampled_paths(logits: torch.Tensor, device_choice: torch.Tensor,
         for walk in walks:
             if not walk.done:
                 walk.finish()
-    row_t = torch.tensor(rows, dtype=torch.long, device=device_choice.device)
-    host = device_choice.index_select(0, row_t).tolist()
-    return with_walk_choices(device_choice, row_t, host, walks, width), rounds
+    return with_walk_choices(device_choice, rows, walks), rounds
 
 
 def walk_paths(logits: torch.Tensor, rows: Sequence[int], walks: Sequence[PathWalk], width: int,

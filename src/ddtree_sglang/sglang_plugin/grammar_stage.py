@@ -76,21 +76,37 @@ class MaskCosts:
 
 
 @dataclass(frozen=True)
+class Walks:
+    """The requests of a step that walk their accepted path one way: their batch rows, one
+    PathWalk each, and their rids (whose walk costs `record` keeps)."""
+
+    rows: tuple[int, ...] = ()
+    walks: tuple[PathWalk, ...] = ()
+    rids: tuple[str, ...] = ()
+
+    def add(self, row: int, walk: PathWalk, rid: str) -> "Walks":
+        return Walks(self.rows + (row,), self.walks + (walk,), self.rids + (rid,))
+
+    def record(self, costs: MaskCosts | None) -> None:
+        """Each walk's host time, the evidence `auto` weighs against tree masks."""
+        if costs is not None:
+            for rid, walk in zip(self.rids, self.walks):
+                costs.walk_us[rid] = walk.host_s * 1e6
+
+
+@dataclass(frozen=True)
 class GrammarStep:
     """The grammar's part of one decode step.
 
     mask: SGLang's GrammarMask over every node ([bs * n] rows; rows of walked and
         unconstrained requests allow all), None when no request needs one.
-    walks: one PathWalk per walked request, for the rows in `walk_rows`.
+    greedy: the requests that walk by the target's top-K (grammar_masks.follow_paths);
+    sampled: those that walk with a mask per visited node (grammar_masks.sample_paths).
     """
 
     mask: Any | None
-    walk_rows: tuple[int, ...]
-    walks: tuple[PathWalk, ...]
-    walk_rids: tuple[str, ...] = ()
-    sampled_rows: tuple[int, ...] = ()
-    sampled_walks: tuple[PathWalk, ...] = ()
-    sampled_rids: tuple[str, ...] = ()
+    greedy: Walks = Walks()
+    sampled: Walks = Walks()
 
 
 def native_matcher(req) -> Any | None:
@@ -119,25 +135,22 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
     them, and a walk for each greedy one.  links: the host copies of the tree's first-child,
     next-sibling and token arrays, [bs, width] each."""
     next_token, next_sibling, tokens = links
-    walked = {True: ([], [], []), False: ([], [], [])}  # greedy? -> rows, walks, rids
+    walked = {True: Walks(), False: Walks()}  # walks greedily? -> its walks
     masked = []
     for i, req in enumerate(reqs):
         if req.grammar is None:
             continue
         matcher = native_matcher(req)
         if walks_here(req, matcher, method, costs):
-            rows, walks, rids = walked[walks_greedily(req)]
-            rows.append(i)
-            walks.append(PathWalk(matcher, next_token[i].tolist(), next_sibling[i].tolist(),
-                                  tokens[i].tolist()))
-            rids.append(req.rid)
+            greedy = walks_greedily(req)
+            walked[greedy] = walked[greedy].add(i, PathWalk(
+                matcher, next_token[i].tolist(), next_sibling[i].tolist(), tokens[i].tolist()),
+                req.rid)
             costs.walked(req.rid)
         else:  # the python method takes SGLang's traversal for every request
             masked.append((i, req, matcher if method != "python" else None))
     costs.keep_only({r.rid for r in reqs if r.grammar is not None})
-    (walk_rows, walks, walk_rids), (sampled_rows, sampled, sampled_rids) = walked[True], \
-        walked[False]
-    if not masked and not walks and not sampled:
+    if not masked and not walked[True].walks and not walked[False].walks:
         return None
     mask = None
     if masked:
@@ -150,8 +163,8 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
             if matcher is not None:
                 fill_tree_masks(matcher, next_token[i], next_sibling[i], tokens[i], rows)
             else:
-                sg.traverse_tree(next_token[i], next_sibling[i], tokens[i], req.grammar,
-                                       rows, vocab_size=vocab)
+                sg.traverse_tree(next_token[i], next_sibling[i], tokens[i], req.grammar, rows,
+                                 vocab_size=vocab)
             costs.us[req.rid] = (time.perf_counter() - t0) * 1e6
 
         costly = [j[2] is not None and costs.estimate(j[1].rid) > THREAD_ABOVE_US
@@ -165,9 +178,7 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
         for f in futures:
             f.result()
         mask = sg.GrammarMask(masked[0][1].grammar, bitmask.to(device, non_blocking=True))
-    return GrammarStep(mask=mask, walk_rows=tuple(walk_rows), walks=tuple(walks),
-                       walk_rids=tuple(walk_rids), sampled_rows=tuple(sampled_rows),
-                       sampled_walks=tuple(sampled), sampled_rids=tuple(sampled_rids))
+    return GrammarStep(mask=mask, greedy=walked[True], sampled=walked[False])
 
 
 def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torch.Tensor,
@@ -176,12 +187,10 @@ def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torc
     """The device's choices [bs, width] with each walked request's path replaced by its
     grammar's greedy choice (processed logits [bs * width, V], unmasked on walked rows); each
     walk's host time goes to `costs`."""
-    if step is None or not step.walks:
+    if step is None or not step.greedy.walks:
         return choice, None
-    out = follow_paths(logits, choice, step.walk_rows, step.walks, width, vocab)
-    if costs is not None:
-        for rid, walk in zip(step.walk_rids, step.walks):
-            costs.walk_us[rid] = walk.host_s * 1e6
+    out = follow_paths(logits, choice, step.greedy.rows, step.greedy.walks, width, vocab)
+    step.greedy.record(costs)
     return out
 
 
@@ -191,13 +200,11 @@ def sampled_grammar_choices(step: GrammarStep | None, logits: torch.Tensor,
     """The choices [bs, width] with each sampled walk's path nodes drawn under their masks
     (grammar_masks.sample_paths; `sample(rows, req_rows, nodes)` draws one token per masked
     logits row); the visited rows of `logits` are left masked for the logprobs."""
-    if step is None or not step.sampled_walks:
+    if step is None or not step.sampled.walks:
         return choice
-    out, _ = follow_sampled_paths(logits, choice, step.sampled_rows, step.sampled_walks, width,
+    out, _ = follow_sampled_paths(logits, choice, step.sampled.rows, step.sampled.walks, width,
                                   vocab, sample)
-    if costs is not None:
-        for rid, walk in zip(step.sampled_rids, step.sampled_walks):
-            costs.walk_us[rid] = walk.host_s * 1e6
+    step.sampled.record(costs)
     return out
 
 
@@ -210,7 +217,6 @@ def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], No
     batch.sampling_info.grammar_mask = None  # else the prefill's leftover mask is applied
     return build_grammar_step(batch.reqs, grammar_tree.resolve(), width,
                               batch.sampling_info.vocab_size, device, method, costs)
-
 
 
 def grammar_valid_layout(reqs: list, layout: VerifyLayout, width: int) -> VerifyLayout:
