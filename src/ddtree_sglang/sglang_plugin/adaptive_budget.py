@@ -1,9 +1,10 @@
 """The SGLang side of the batch-aware tree budget (budget.BudgetController has the logic).
 
 Per step the worker calls:
-  * `choose(bs, constrained)` on the host, before the draft: the controller's choice from the batch size,
-    the step costs and the drafter's calibrated expected acceptance as of an earlier step
-    (a non-blocking copy, `LaggedHostCopy`: nothing waits for the GPU);
+  * `choose(bs, constrained)` on the host, before the draft: the controller's choice (the
+    grammar lane's when `constrained`, see AdaptiveBudget) from the batch size, the step costs
+    and the drafter's calibrated expected acceptance as of an earlier step (a non-blocking
+    copy, `LaggedHostCopy`: nothing waits for the GPU);
   * `runtimes[width]`: the target attention backend and verify CUDA graphs for that width,
     built at startup per candidate (patches.build_verify_runtime);
   * `observe(...)` after the acceptance walk, on the GPU: the controller's statistics, whose

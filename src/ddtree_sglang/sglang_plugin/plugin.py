@@ -170,18 +170,18 @@ def register() -> None:
         from ddtree_sglang.sglang_plugin.spec_algo import DDTreeSpecAlgo
 
         sg.SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True,
-                                validate_server_args=_validate,
-                                spec_class=DDTreeSpecAlgo)(_worker_factory)
+                                         validate_server_args=_validate,
+                                         spec_class=DDTreeSpecAlgo)(_worker_factory)
     except ValueError as exc:  # a future SGLang that reserves the name itself
         logger.warning("ddtree-sglang: not registering %s: %s", ALGORITHM, exc)
         _registered = True
         return
-    registry, hook_type = sg.HookRegistry, sg.HookType
-    registry.register(
+    around = sg.HookType.AROUND
+    sg.HookRegistry.register(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
-        _get_spec_info_hook, hook_type.AROUND)
-    registry.register("sglang.srt.speculative.dflash_utils.validate_dflash_request",
-                      _validate_request_hook, hook_type.AROUND)
-    registry.register("sglang.srt.managers.schedule_batch.Req.update_finish_state",
-                      _finish_state_hook, hook_type.AROUND)
+        _get_spec_info_hook, around)
+    sg.HookRegistry.register("sglang.srt.speculative.dflash_utils.validate_dflash_request",
+                             _validate_request_hook, around)
+    sg.HookRegistry.register("sglang.srt.managers.schedule_batch.Req.update_finish_state",
+                             _finish_state_hook, around)
     _registered = True

@@ -39,7 +39,7 @@ class DDTreeSpecAlgo(sg.CustomSpecAlgo):
     def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
                           needs_confidence_relay: bool = False):
         return sg.future_map(device, self, req_to_token_pool, needs_cpu_seq_lens,
-                                    needs_confidence_relay)
+                             needs_confidence_relay)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int,
                                                  is_draft_worker: bool) -> int:
