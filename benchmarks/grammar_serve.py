@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
-from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddtree_sglang.bench import cells, client, compare, run  # noqa: E402
+from ddtree_sglang.bench import run  # noqa: E402
 from ddtree_sglang.bench.config import Arm, BenchConfig  # noqa: E402
-from ddtree_sglang.bench.grammars import kind_names, sampling_constraint  # noqa: E402
+from ddtree_sglang.bench.grammars import kind_names  # noqa: E402
 from ddtree_sglang.bench.server import stop_servers_on_sigterm  # noqa: E402
+from ddtree_sglang.bench.slices import (goal_lines, grammar_tax, markdown,  # noqa: E402,F401
+                                        measure_slice, ratio_to)
 from ddtree_sglang.cli import positive_float, positive_int, positive_int_list  # noqa: E402
 
 ARMS = {
@@ -86,45 +86,6 @@ def config(args) -> BenchConfig:
         warmup_per_cell=True, interleave=True)
 
 
-def measure(cfg: BenchConfig, kinds: list[str], out: Path, results: dict, save) -> None:
-    """Every (kind, concurrency) cell over the arms' servers, all started together."""
-    from tqdm import tqdm
-
-    prompts = run.load_prompts(cfg)
-    spec_of = lambda a: run.server_spec(cfg, a, cfg.model_path, cfg.draft_model_path,  # noqa: E731
-                                        extra=["--constrained-json-disable-any-whitespace"])
-    groups = run.started_groups(cfg, cfg.arms, spec_of, out)
-    with closing(groups):
-        group = next(groups)
-        results["failures"] = {arm.name: err for arm, _, err in group if err}
-        live = [(arm, [s.url for s in servers], [s.log_path for s in servers])
-                for arm, servers, err in group if not err]
-        plain_url = next((u[0] for a, u, _ in live if a.name == "plain"), None)
-        for kind in kinds:
-            params = dict(temperature=0.0, max_new_tokens=cfg.max_new_tokens,
-                          ignore_eos=kind == "none", **sampling_constraint(kind))
-            for arm, urls, _ in live:  # warm-up: the grammar compiled and cached per server
-                client.run_level(urls, prompts, params, 2, 2, endpoint="native")
-            outputs: dict[str, dict[int, list[int]]] = {}
-            for conc in cfg.concurrency:
-                for (arm, _, _), (res, row) in zip(live, cells.measure_interleaved(
-                        cfg, live, prompts, params, conc, tqdm)):
-                    results["rows"].append(dict(row, kind=kind))
-                    for r in res:
-                        if r.error is None:
-                            outputs.setdefault(arm.name, {}).setdefault(r.prompt_index,
-                                                                        r.output_ids)
-                    print(json.dumps({k: row.get(k) for k in (
-                        "arm", "concurrency", "output_tok_s", "rounds_tok_s",
-                        "accept_length", "errors", "first_error")} | {"kind": kind}), flush=True)
-                save()
-            for name, outs in outputs.items():
-                if name != "plain" and "plain" in outputs:
-                    results["greedy_vs_plain"].setdefault(kind, {})[name] = \
-                        compare.compare_to_reference(prompts, outs, outputs["plain"], plain_url)
-            save()
-
-
 def merge(results: dict, other: dict, adopt_meta: bool = False) -> None:
     """Add `other`'s cells (kind x concurrency) that `results` lacks, and its greedy checks
     where `results` has none; `adopt_meta`: take its header (a report-only merge)."""
@@ -138,103 +99,6 @@ def merge(results: dict, other: dict, adopt_meta: bool = False) -> None:
         results["meta"] = dict(other["meta"], merged_into=results["meta"]["command"])
     else:
         results["meta"].setdefault("merged_from", []).append(other["meta"]["command"])
-
-
-def ratio_to(rows: list[dict], arm: str, base: str) -> dict | None:
-    """Median and range of the per-round tok/s ratios arm / base (paired rounds)."""
-    a = next((r for r in rows if r["arm"] == arm), None)
-    b = next((r for r in rows if r["arm"] == base), None)
-    if not a or not b or not a.get("rounds_tok_s") or not b.get("rounds_tok_s"):
-        return None
-    ratios = [x / y for x, y in zip(a["rounds_tok_s"], b["rounds_tok_s"]) if x and y]
-    return dict(median=round(statistics.median(ratios), 3), low=round(min(ratios), 3),
-                high=round(max(ratios), 3)) if ratios else None
-
-
-def markdown(results: dict) -> str:
-    m = results["meta"]
-    arms = list(m["arms"])
-    lines = [f"# Structured output under load, {m['device']}, {m['date']}", "",
-             f"Command: `{m['command']}` (commit `{m['commit']}`). Testbed pair, greedy, "
-             f"`/generate`, {m['max_new_tokens']} new tokens at most, cells of >= "
-             f"{m['seconds']} s sustained load, {m['rounds']} interleaved rounds with a warm-up "
-             "each. tok/s: median of rounds; x DFLASH: median of per-round ratios [range]; "
-             "accept: accept length.", "",
-             "| kind | c | " + " | ".join(arms) + " | " +
-             " | ".join(f"{a} / dflash" for a in arms if a.startswith("ddtree")) +
-             " | accept " + " / ".join(a for a in arms if a != "plain") + " |",
-             "|---|---|" + "---|" * (len(arms) + sum(a.startswith("ddtree") for a in arms) + 1)]
-    cells_ = {}
-    for r in results["rows"]:
-        cells_.setdefault((r["kind"], r["concurrency"]), []).append(r)
-    for (kind, conc), rows in cells_.items():
-        by = {r["arm"]: r for r in rows}
-        tok = [f"{by[a]['output_tok_s']:,.0f}" if a in by and by[a]["output_tok_s"] else "-"
-               for a in arms]
-        rat = []
-        for a in arms:
-            if a.startswith("ddtree"):
-                q = ratio_to(rows, a, "dflash")
-                rat.append(f"**{q['median']:.2f}** [{q['low']:.2f}-{q['high']:.2f}]" if q else "-")
-        acc = " / ".join(f"{by[a]['accept_length']:.2f}" if a in by and by[a].get(
-            "accept_length") else "-" for a in arms if a != "plain")
-        lines.append(f"| {kind} | {conc} | " + " | ".join(tok) + " | " + " | ".join(rat) +
-                     f" | {acc} |")
-    lines += ["", "Greedy outputs against plain SGLang's (identical / compared; divergences "
-              "scored by the plain server: near-tie within 0.05 logprob or not):", ""]
-    for kind, arms_ in results.get("greedy_vs_plain", {}).items():
-        for arm, c in arms_.items():
-            lines.append(f"- {kind}, {arm}: {c['identical']} / {c['identical'] + c['diverged']}"
-                         f" identical; {c['diverged_at_near_tie']} near-tie, "
-                         f"{c['diverged_not_tie']} not")
-    lines += goal_lines(results["rows"], arms)
-    if results.get("failures"):
-        lines += ["", f"Arms that failed to start: {results['failures']}"]
-    return "\n".join(lines) + "\n"
-
-
-def grammar_tax(rows: list[dict], arm: str, kind: str, conc: int) -> float | None:
-    """tok/s with the grammar / without one (kind "none"), same arm and concurrency."""
-    def tok(k):
-        return next((r["output_tok_s"] for r in rows if (r["arm"], r["kind"],
-                     r["concurrency"]) == (arm, k, conc) and r.get("output_tok_s")), None)
-
-    with_grammar, without = tok(kind), tok("none")
-    return with_grammar / without if with_grammar and without else None
-
-
-def goal_lines(rows: list[dict], arms: list[str]) -> list[str]:
-    """The issue's goals per (kind, concurrency) for each DDTREE arm: >= DFLASH with the same
-    grammar (median of paired rounds), >= plain at c = 1, and a grammar tax at least DFLASH's
-    (where kind "none" ran on the same servers)."""
-    ddtree = [a for a in arms if a.startswith("ddtree")]
-    if not ddtree or "dflash" not in arms:
-        return []
-    lines = ["", "Goals per DDTREE arm: x DFLASH (>= 1.0), x plain at c = 1 (>= 1.0), grammar "
-             "tax = tok/s with grammar / without, same server (DDTREE >= DFLASH).", "",
-             "| kind | c | arm | x DFLASH | x plain | tax DDTREE / DFLASH | all met |",
-             "|---|---|---|---|---|---|---|"]
-    cells_ = {}
-    for r in rows:
-        if r["kind"] != "none":
-            cells_.setdefault((r["kind"], r["concurrency"]), []).append(r)
-    for (kind, conc), cell in cells_.items():
-        for arm in ddtree:
-            vs_dflash, vs_plain = ratio_to(cell, arm, "dflash"), ratio_to(cell, arm, "plain")
-            if vs_dflash is None:
-                continue
-            tax, tax_dflash = grammar_tax(rows, arm, kind, conc), grammar_tax(rows, "dflash",
-                                                                               kind, conc)
-            checks = [vs_dflash["median"] >= 1.0]
-            if conc == 1 and vs_plain is not None:
-                checks.append(vs_plain["median"] >= 1.0)
-            if tax is not None and tax_dflash is not None:
-                checks.append(tax >= tax_dflash)
-            plain_txt = f"{vs_plain['median']:.2f}" if conc == 1 and vs_plain else "-"
-            tax_txt = f"{tax:.2f} / {tax_dflash:.2f}" if tax and tax_dflash else "-"
-            lines.append(f"| {kind} | {conc} | {arm} | {vs_dflash['median']:.2f} | {plain_txt} "
-                         f"| {tax_txt} | {'yes' if all(checks) else 'no'} |")
-    return lines
 
 
 def main() -> None:
@@ -269,7 +133,7 @@ def main() -> None:
 
     if not args.report_only:
         stop_servers_on_sigterm()
-        measure(config(args), args.kinds, args.out, results, save)
+        measure_slice(config(args), args.kinds, args.out, results, save)
     for i, path in enumerate(args.merge_from):
         merge(results, json.loads(path.read_text()), adopt_meta=args.report_only and i == 0)
     save()

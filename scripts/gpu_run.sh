@@ -14,6 +14,8 @@
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost     # cost mode, Qwen3-8B shapes
 #   ARMS=dflash,ddtree-b15 bash scripts/gpu_run.sh profile          # per-step kernel table, 8B shapes
 #   bash scripts/gpu_run.sh pair      # two replicas on one GPU (multi-replica path)           (~5 min)
+#   bash scripts/gpu_run.sh evidence  # the next slices of configs/evidence.yaml that lack committed
+#                                     # results, within one device call (ONLY=slice,ids to pick)
 #   CONFIG=configs/testbed_verdict.yaml CONC=16,32,64 bash scripts/gpu_run.sh auto
 #                                     # a serving config, one slice of concurrency levels
 # OUT (default /tmp/out) receives the results; server logs are packed into one tarball per
@@ -82,9 +84,11 @@ case "${1:-}" in
              --out "$OUT/auto" ${ARMS:+--arms $ARMS} ${CONC:+--concurrency $CONC} \
              ${GRAPH_BS:+--cuda-graph-max-bs $GRAPH_BS}
          pack "$OUT/auto" ;;
+  evidence) timeout "$LIMIT" python benchmarks/evidence.py run --out "$OUT" \
+             --seconds "${EVIDENCE_SECONDS:-520}" ${ONLY:+--only $ONLY} ;;
   pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
          pack "$OUT/pair" ;;
-  *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|features|rel|bench|cost|profile|auto|pair" >&2; exit 2 ;;
+  *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|features|grammar|rel|bench|cost|profile|auto|evidence|pair" >&2; exit 2 ;;
 esac
 rc=$?
 save_triton_cache

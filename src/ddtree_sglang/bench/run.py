@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -354,9 +355,11 @@ def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except ImportError:
         device = "unknown"
+    commit = os.environ.get("DDTREE_COMMIT")  # the GPU machine gets a copy without .git
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=Path.cwd(),
-                                capture_output=True, text=True).stdout.strip() or "?"
+        commit = commit or subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=Path.cwd(),
+            capture_output=True, text=True).stdout.strip() or "?"
     except OSError:
         commit = "?"
     return dict(name=cfg.name, device=device, date=time.strftime("%Y-%m-%d"), commit=commit,

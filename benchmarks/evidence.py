@@ -1,0 +1,243 @@
+"""The evidence plan's runner and report (configs/evidence.yaml; bench/evidence.py says how slices
+add up).
+
+    python benchmarks/evidence.py next                 # what the next call would run (any machine)
+    bash scripts/gpu_run.sh evidence                   # run the next slices (GPU, one device call)
+    python benchmarks/evidence.py adopt DIR            # file a call's returned slices for commit
+    python benchmarks/evidence.py report               # the combined table and plot, from commits
+
+`run` takes the plan's slices in order that still lack committed results, as many as fit its time
+(`--seconds`, the device call's 540 s less what the call spent before it), and writes each to
+OUT/<slice id>/<date>_<card>_<n>/: slice.json, slice.md and logs.tgz (three files a slice, at
+most two slices a call: a device call returns eight files).  It prints a short table last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from ddtree_sglang.bench import evidence, run, slices  # noqa: E402
+from ddtree_sglang.bench.config import ConfigError  # noqa: E402
+from ddtree_sglang.cli import CliError, Parser, positive_float  # noqa: E402
+from ddtree_sglang.cli import run as run_cli  # noqa: E402
+
+PLAN = ROOT / "configs" / "evidence.yaml"
+RESULTS = ROOT / "benchmarks" / "results" / "evidence"
+MAX_SLICES_PER_CALL = 2
+LOG_TAIL_LINES = 3000
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def _meta(s: evidence.SlicePlan, plan: evidence.EvidencePlan, levels: list[int]) -> dict:
+    cfg_meta = run._meta(evidence.slice_config(plan, s, ROOT, levels or None)
+                         if not s.phase else _phase_cfg(plan), "", None)
+    return dict(slice=s.id, item=s.item, what=s.what, date=time.strftime("%Y-%m-%d"),
+                device=cfg_meta["device"], commit=cfg_meta["commit"],
+                command="bash scripts/gpu_run.sh evidence", arms=s.arms, kinds=s.kinds,
+                levels=levels, seconds=s.seconds or plan.seconds,
+                rounds=s.rounds or plan.rounds, max_new_tokens=plan.max_new_tokens,
+                phase=s.phase, env=s.env)
+
+
+def _phase_cfg(plan: evidence.EvidencePlan):
+    from ddtree_sglang.bench.config import Arm, BenchConfig
+
+    return BenchConfig(name="evidence-phase", arms=[Arm(name="plain")])
+
+
+def _pack_logs(folder: Path, sources: list[Path]) -> None:
+    """The last LOG_TAIL_LINES lines of every log under `sources`, as folder/logs.tgz."""
+    with tarfile.open(folder / "logs.tgz", "w:gz") as tar:
+        for src in sources:
+            for f in sorted(p for p in src.rglob("*") if p.is_file()):
+                if f.suffix in (".log", ".txt"):
+                    tail = f.read_bytes().splitlines(keepends=True)[-LOG_TAIL_LINES:]
+                    tmp = f.with_suffix(f.suffix + ".tail")
+                    tmp.write_bytes(b"".join(tail))
+                    tar.add(tmp, arcname=str(f.relative_to(src.parent)))
+                    tmp.unlink()
+                elif f.suffix in (".tgz", ".json", ".md"):
+                    tar.add(f, arcname=str(f.relative_to(src.parent)))
+
+
+def run_serving(plan, s, levels, folder: Path, stop_at: float) -> dict:
+    cfg = evidence.slice_config(plan, s, ROOT, levels)
+    results = dict(meta=_meta(s, plan, levels), rows=[], greedy_vs_plain={}, failures={})
+    save = lambda: (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))  # noqa: E731
+    try:
+        slices.measure_slice(cfg, s.kinds, folder, results, save, stop_at=stop_at)
+    except Exception as exc:  # noqa: BLE001 - a broken slice is recorded, the call goes on
+        results["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    save()
+    (folder / "slice.md").write_text(slices.markdown(results))
+    _pack_logs(folder, [folder / "logs"])
+    shutil.rmtree(folder / "logs", ignore_errors=True)
+    return results
+
+
+def run_phase(plan, s, folder: Path, stop_at: float) -> dict:
+    work = folder / "phase"
+    limit = max(30, int(stop_at - time.monotonic()))
+    env = dict(os.environ, OUT=str(work), LIMIT=str(limit), **s.env)
+    with open(folder / "phase.log", "w") as log:
+        rc = subprocess.run(["bash", "scripts/gpu_run.sh", s.phase], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, timeout=limit + 30).returncode
+    outputs = {}
+    for f in sorted(work.rglob("*.json")) if work.exists() else []:
+        if f.stat().st_size < 2_000_000:
+            outputs[str(f.relative_to(work))] = json.loads(f.read_text())
+    results = dict(meta=_meta(s, plan, []), rc=rc, outputs=outputs)
+    (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))
+    tail = (folder / "phase.log").read_text().splitlines()[-60:]
+    (folder / "slice.md").write_text(f"# {s.id}: phase {s.phase}, exit {rc}\n\n```\n"
+                                     + "\n".join(tail) + "\n```\n")
+    _pack_logs(folder, [work, folder / "phase.log"] if work.exists() else [folder / "phase.log"])
+    shutil.rmtree(work, ignore_errors=True)
+    (folder / "phase.log").unlink()
+    return results
+
+
+def cmd_run(args) -> int:
+    t0 = time.monotonic()
+    stop_at = t0 + args.seconds
+    plan = evidence.load_plan(args.plan)
+    have = evidence.counts(evidence.read_slices(args.results))
+    todo = evidence.next_slices(plan, have)
+    if args.only:
+        todo = [(s, lv) for s, lv in todo if s.id in args.only]
+    from ddtree_sglang.bench.server import stop_servers_on_sigterm
+
+    stop_servers_on_sigterm()
+    done, cold = [], True
+    for s, levels in todo:
+        if len(done) == MAX_SLICES_PER_CALL:
+            break
+        left = stop_at - time.monotonic()
+        need = evidence.estimate_seconds(plan, s, levels[:1] if not s.phase else levels)
+        if not cold and not s.phase:
+            need -= plan.startup_seconds / 2  # kernels compiled by the first slice
+        if left < need:
+            print(f"skip {s.id}: {left:.0f} s left, one level needs ~{need:.0f} s", flush=True)
+            continue
+        taken = [p.name for p in (args.results / s.id).glob("*")] + \
+                [p.name for p in (args.out / s.id).glob("*")]
+        folder = args.out / s.id / evidence.stamp(time.strftime("%Y-%m-%d"), _device(), taken)
+        folder.mkdir(parents=True)
+        print(f"slice {s.id} -> {folder} (levels {levels})", flush=True)
+        res = run_phase(plan, s, folder, stop_at) if s.phase else run_serving(
+            plan, s, levels, folder, stop_at)
+        done.append((s, folder, res))
+        cold = False
+    print(summary_table(done, time.monotonic() - t0))
+    return 0
+
+
+def summary_table(done, wall: float) -> str:
+    lines = [f"evidence call: {len(done)} slice(s) in {wall:.0f} s", "",
+             "| slice | folder | cells done | skipped | failures | note |", "|---|---|---|---|---|---|"]
+    for s, folder, res in done:
+        if s.phase:
+            lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | phase | - | - | "
+                         f"exit {res['rc']} |")
+            continue
+        cells_ = sorted(evidence.cells_of(res))
+        lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | "
+                     f"{', '.join(f'{k}@{c}' for k, c in cells_) or '-'} | "
+                     f"{len(res.get('cells_skipped', []))} | {len(res.get('failures') or {})} | "
+                     f"{res.get('error', '')[:80]} |")
+    for s, _, res in done:
+        if not s.phase and res["rows"]:
+            lines += ["", slices.markdown(res)]
+    return "\n".join(lines)
+
+
+def cmd_next(args) -> int:
+    plan = evidence.load_plan(args.plan)
+    have = evidence.counts(evidence.read_slices(args.results))
+    todo = evidence.next_slices(plan, have)
+    if not todo:
+        print("every cell of the plan has its results")
+        return 0
+    for s, levels in todo:
+        where = f"phase {s.phase}" if s.phase else f"c = {', '.join(map(str, levels))}"
+        print(f"{s.id} (item {s.item}, {where}): ~{evidence.estimate_seconds(plan, s, levels):.0f}"
+              f" s cold; {s.what}")
+    return 0
+
+
+def cmd_adopt(args) -> int:
+    """Copy OUT/<slice id>/<stamp>/ folders of a returned call into the results tree."""
+    src = Path(args.dir)
+    found = sorted(p.parent for p in src.glob(f"*/*/{evidence.RESULT_FILE}"))
+    if not found:
+        raise CliError(f"no <slice id>/<stamp>/{evidence.RESULT_FILE} under {src}")
+    for folder in found:
+        dest = args.results / folder.parent.name / folder.name
+        if dest.exists():
+            raise CliError(f"{dest} exists already; not overwritten")
+        shutil.copytree(folder, dest)
+        print(f"adopted {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+    return cmd_report(args)
+
+
+def cmd_report(args) -> int:
+    plan = evidence.load_plan(args.plan)
+    found = evidence.read_slices(args.results)
+    args.results.mkdir(parents=True, exist_ok=True)
+    md = evidence.report_markdown(plan, found)
+    png = evidence.plot(plan, found, args.results / "evidence.png")
+    if png:
+        md += f"\n![DDTREE / DFLASH per cell](evidence.png)\n"
+    (args.results / "README.md").write_text(md)
+    print(md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = Parser(prog="evidence.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", type=Path, default=PLAN)
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="the committed slices (default benchmarks/results/evidence)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the next slices (GPU)")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--seconds", type=positive_float, default=520.0,
+                   help="this call's time for slices, from now (default 520)")
+    r.add_argument("--only", type=lambda t: [x for x in t.split(",") if x], default=None,
+                   help="comma list of slice ids: run only these (still only while wanted)")
+    sub.add_parser("next", help="list the slices still wanted")
+    a = sub.add_parser("adopt", help="file a call's returned slices under --results")
+    a.add_argument("dir")
+    sub.add_parser("report", help="write the combined report and plot under --results")
+    args = ap.parse_args(argv)
+
+    def go() -> int:
+        try:
+            return dict(run=cmd_run, next=cmd_next, adopt=cmd_adopt, report=cmd_report)[
+                args.cmd](args)
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+
+    return run_cli(go, "evidence.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
