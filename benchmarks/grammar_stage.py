@@ -19,7 +19,7 @@ Every method's mask rows are checked equal (python vs native) and every walk's c
 the sample along the path, so the timings compare methods that do the same job.
 Reported per (vocabulary, kind, tree, method): host microseconds per request per step (median
 over steps), mask fills per step and per committed token, and the accept length; per DDTREE
-tree, what the grammar-valid tree (grammar_tree.py) costs and would have accepted.  A last table
+tree, what the grammar-valid tree (grammar_valid_tree.py) costs and would have accepted.  A last table
 times a batch's native tree masks serially and on threads (xgrammar releases the GIL).
 """
 
@@ -44,9 +44,9 @@ from ddtree_sglang.bench.grammars import KINDS, kind_names  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 from ddtree_sglang.grammar_masks import (TOP_K, PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          sample_paths, unpack_bitmask, walk_paths)
-from ddtree_sglang.grammar_tree import select_nodes, valid_nodes  # noqa: E402
-from ddtree_sglang.layout import sibling_links  # noqa: E402
-from ddtree_sglang.tree import build_draft_tree, chain_tree  # noqa: E402
+from ddtree_sglang.grammar_valid_tree import select_nodes, valid_nodes  # noqa: E402
+from ddtree_sglang.verify_layout import sibling_links  # noqa: E402
+from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree  # noqa: E402
 
 DEPTH = 15  # a 16-token block: the root and 15 drafted positions
 TREES = ("chain16", "B7", "B15", "B31", "B63")
@@ -299,7 +299,7 @@ def simulate(vocab: Vocab, compiled, kind: str, tree_name: str, episodes: int,
 
 def valid_step(m, logits, root: int, parents: list[int], tokens: list[int], width: int,
                ref: list[int], n_acc: int, valid: dict) -> None:
-    """The grammar-valid tree (grammar_tree.py) at this step: the share of the B tree's nodes
+    """The grammar-valid tree (grammar_valid_tree.py) at this step: the share of the B tree's nodes
     the grammar allows, the host time to check and select the best valid B among a 2B
     candidate tree, and the draft tokens that selection would have accepted."""
     cand = build_draft_tree(logits, 2 * (width - 1))

@@ -9,7 +9,7 @@ import torch
 
 from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 from ddtree_sglang.draft_tree import torch_top_log_probs as top_log_probs
-from ddtree_sglang.tree import build_draft_tree
+from ddtree_sglang.draft_tree_builder import build_draft_tree
 
 # (batch, depth, vocab, budget)
 CASES = [(1, 3, 5, 6), (2, 6, 40, 16), (2, 5, 8, 12), (1, 1, 9, 4), (3, 4, 300, 8),

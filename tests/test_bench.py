@@ -187,7 +187,8 @@ def test_missing_paths_are_named_before_anything_starts(tmp_path, capsys):
     assert "no_model not found" in line and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")
+                                         if p.name != "evidence.yaml"))  # test_evidence.py
 def test_shipped_configs_parse(name):
     cfg = load_config(ROOT / "configs" / name)
     assert cfg.arms

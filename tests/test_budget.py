@@ -10,7 +10,7 @@ from ddtree_sglang.acceptance import accept_tree
 from ddtree_sglang.budget import (DepthCalibration, LiveStepCosts, candidate_budgets,
                                   choose_budget, expected_by_depth_per_request,
                                   largest_budget_gain_bound)
-from ddtree_sglang.tree import build_draft_tree
+from ddtree_sglang.draft_tree_builder import build_draft_tree
 
 
 def exact_expected_accept(logits: torch.Tensor, budget: int) -> float:
@@ -127,7 +127,7 @@ def test_calibration_learns_per_depth_ratios():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), big=st.integers(2, 40), depth=st.integers(1, 5))
 def test_truncating_the_largest_tree_gives_every_smaller_budgets_tree(seed, big, depth):
-    from ddtree_sglang.tree import count_prefixes, truncate_tree
+    from ddtree_sglang.draft_tree_builder import count_prefixes, truncate_tree
 
     big = min(big, count_prefixes(depth, 12, big))  # a depth-1 draft has only 12 prefixes
 

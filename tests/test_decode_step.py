@@ -1,94 +1,429 @@
+"""The DDTREE decode step (sglang_plugin/decode_step.py) on the CPU, built from its parts with
+SGLang fakes: each stage's logic against a reference, the grammar traversal over DDTREE's
+tree, and the committed tokens' logprobs."""
+import contextlib
+import functools
+from types import SimpleNamespace
+
+import pytest
 import torch
 
-from ddtree_sglang.decode_step import StepCommit, accept_stage, tree_stage
-from ddtree_sglang.layout import VerifyLayout, build_verify_layout
-from ddtree_sglang.tree import build_draft_tree
+pytest.importorskip("sglang")
+
+from ddtree_sglang.step_ops import StepCommit, accept_stage, tree_stage  # noqa: E402
+from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
+from ddtree_sglang.verify_layout import VerifyLayout  # noqa: E402
+from ddtree_sglang.sglang_plugin import sglang_api as sg, decode_step as wmod  # noqa: E402
+from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
+from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts, Walks  # noqa: E402
+from ddtree_sglang.sglang_plugin.model_io import draft_logits  # noqa: E402
+from ddtree_sglang.sglang_plugin.request_state import PenaltyState  # noqa: E402
+from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
+from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # noqa: E402
+                                                      Verified)
+from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages  # noqa: E402
+from ddtree_sglang.draft_tree_builder import build_draft_tree  # noqa: E402
+
+V, H, BLOCK, B = 40, 8, 4, 8  # vocab, hidden, draft block (depth 3), budget
+ROW = 64  # slots of a request's req_to_token row
 
 
-def test_tree_stage_is_build_plus_layout():
-    logits = torch.randn(3, 15, 50)
-    roots, seq = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 0])
-    lay = VerifyLayout(*tree_stage(logits, roots, seq, 20, 15, build_draft_tree))
-    ref = build_verify_layout(build_draft_tree(logits, 20), roots, seq, max_depth=15)
-    assert torch.equal(lay.draft_tokens, ref.draft_tokens)
-    assert torch.equal(lay.ancestors, ref.ancestors) and torch.equal(lay.positions, ref.positions)
+class FakeIO:
+    """The step's model I/O (model_io.ModelIO) without models: records what the step asks."""
+
+    def __init__(self) -> None:
+        self.target_runner = SimpleNamespace(attn_backend="configured backend",
+                                             decode_cuda_graph_runner="configured graphs")
+        self.calls: list = []
+        self.verify_out = None
+
+    def max_step_seq_len(self) -> int:
+        return ROW - (B + 1)
+
+    def draft_block(self, batch, draft_input):
+        self.calls.append(("draft", draft_input))
+        return torch.randn(len(batch.seq_lens), BLOCK, H)
+
+    def target_verify(self, batch, draft_input, layout):
+        self.calls.append(("verify", (self.target_runner.attn_backend,
+                                      self.target_runner.decode_cuda_graph_runner)))
+        return self.verify_out, "verify batch", True, "slots"
+
+    def move_accepted_kv(self, batch, out_cache_loc, step, n):
+        self.calls.append(("move", out_cache_loc, n))
+
+    def append_committed_features(self, out_cache_loc, seq_lens, plan, logits_output, step):
+        self.calls.append(("features", out_cache_loc))
+
+    def next_draft_input(self, bonus_tokens, seq_lens):
+        return make_draft_input(bonus_tokens, seq_lens)
 
 
-def test_accept_stage_commit_format():
-    # two requests, N = 6: root 0 -> {1, 2}; 1 -> {3, 4}; 3 -> {5}
-    tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 2)
-    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 2)
-    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 2)
-    choice = torch.tensor([[10, 12, 0, 14, 0, 8],    # whole path 0-1-3-5, bonus 8
-                           [11, 0, 5, 0, 0, 0]])     # 0-2, bonus 5
-    step = StepCommit(*accept_stage(tokens, parents, depths, choice, depth=3, out_width=4))
-    assert step.commit_lens.tolist() == [4, 2] and step.commit_lens.dtype == torch.int32
-    # rows in the flattened [bs * N] verify block, -1 past the end (EAGLE's accept_index)
-    assert step.accept_index.tolist() == [[0, 1, 3, 5], [6, 8, -1, -1]]
-    assert step.accept_index.dtype == torch.int32
-    assert step.feature_rows.tolist() == [[0, 1, 3, 5], [6, 8, 6, 6]]
-    assert step.bonus.tolist() == [8, 5]
-    assert step.tokens.tolist() == [[10, 12, 14, 8], [11, 5, 0, 0]]
+LM_HEAD = SimpleNamespace(weight=torch.randn(V, H, generator=torch.Generator().manual_seed(0)))
 
 
-def test_kv_moves_put_the_accepted_path_at_its_positions():
-    """Slot contents are node ids; after the moves, position j of each request holds the j-th
-    node of its accepted path (root first), whatever order the moves read and write in."""
-    from ddtree_sglang.decode_step import kv_moves
-    from ddtree_sglang.kernels.kv_move import move_rows_reference
-
-    tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 3)
-    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 3)
-    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 3)
-    choice = torch.tensor([[10, 12, 0, 14, 0, 8],   # path 0-1-3-5: slot 3 -> 2 and 5 -> 3
-                           [11, 0, 5, 0, 0, 0],     # path 0-2: slot 2 -> 1
-                           [7, 0, 0, 0, 0, 0]])     # root only
-    step = StepCommit(*accept_stage(tokens, parents, depths, choice, depth=3, out_width=4))
-    n = 6
-    out_cache_loc = torch.tensor([40, 41, 42, 43, 44, 45, 10, 11, 12, 13, 14, 15,
-                                  30, 31, 32, 33, 34, 35])
-    tgt, src = kv_moves(out_cache_loc, step.accept_index, step.commit_lens, n)
-    assert tgt.tolist() == [[40, 41, 42, 43], [10, 11, 12, 13], [30, 31, 32, 33]]
-    assert src.tolist() == [[40, 41, 43, 45], [10, 12, 12, 13], [30, 31, 32, 33]]
-    kv = torch.zeros(50, 2, dtype=torch.long)
-    kv[out_cache_loc, 0] = torch.arange(3 * n) % n  # node id held by each slot
-    move_rows_reference([kv], tgt, src)
-    assert kv[tgt[0], 0].tolist() == [0, 1, 3, 5]
-    assert kv[tgt[1, :2], 0].tolist() == [0, 2] and kv[tgt[2, :1], 0].tolist() == [0]
+def make_step(budget: int = B, budget_controller=None, clock=None) -> wmod.DecodeStep:
+    """A DecodeStep from its parts: settings, vocabulary, fake I/O, eager tree stages."""
+    settings = DDTreeSettings.from_values(budget, BLOCK, environ={})
+    stages = GraphedStages(Kernels(), budget, BLOCK - 1, BLOCK,
+                        functools.partial(draft_logits, LM_HEAD, vocab_size=V), graphed=False)
+    return wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
+                           MaskCosts(), budget_controller, clock)
 
 
-def test_kv_moves_of_a_block_narrower_than_the_commit_width():
-    """A small budget (N = 3 < out_width = 4) commits at most N tokens: N columns move."""
-    from ddtree_sglang.decode_step import kv_moves
-
-    tokens = torch.tensor([[99, 10, 11]])
-    parents, depths = torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]])
-    step = StepCommit(*accept_stage(tokens, parents, depths, torch.tensor([[10, 11, 5]]),
-                                    depth=3, out_width=4))
-    assert step.commit_lens.tolist() == [3]
-    tgt, src = kv_moves(torch.tensor([20, 21, 22]), step.accept_index, step.commit_lens, 3)
-    assert tgt.tolist() == [[20, 21, 22]] and src.tolist() == [[20, 21, 22]]
+def plain_request() -> SimpleNamespace:
+    return SimpleNamespace(sampling_params=SimpleNamespace(
+        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0,
+        stop_token_ids=None, sampling_seed=None))
 
 
-def test_tree_stage_reports_the_candidates_expected_acceptance():
-    from ddtree_sglang.budget import expected_by_depth_per_request
-    from ddtree_sglang.decode_step import unpack_tree_stage
-
-    logits = torch.randn(2, 5, 30)
-    roots, seq = torch.tensor([1, 2]), torch.tensor([4, 9])
-    lay, probs = unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)))
-    tree = build_draft_tree(logits, 12)
-    assert torch.equal(lay.draft_tokens, build_verify_layout(tree, roots, seq, 5).draft_tokens)
-    assert probs.shape == (2, 2, 5)
-    assert torch.allclose(probs, expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
-    assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree))[1] is None
+def make_batch(bs: int = 2, seq_lens=(5, 9), **fields) -> SimpleNamespace:
+    seq = torch.tensor(seq_lens[:bs], dtype=torch.int64)
+    spec = make_draft_input(torch.tensor([3, 7][:bs]), seq)
+    base = dict(seq_lens=seq, spec_info=spec, has_grammar=False,
+                reqs=[plain_request() for _ in range(bs)], sampling_info=None,
+                req_pool_indices=torch.arange(bs), return_logprob=False,
+                top_logprobs_nums=None, token_ids_logprobs=None)
+    return SimpleNamespace(**{**base, **fields})
 
 
-def test_commit_slots_of_wide_and_narrow_verifies():
-    from ddtree_sglang.decode_step import commit_slots
+def drafted(w, batch, plan: StepPlan) -> DraftedTree:
+    hidden = torch.randn(plan.bs, BLOCK, H, generator=torch.Generator().manual_seed(1))
+    return w.build_tree(batch, plan, hidden)
 
-    loc = torch.arange(2 * 6) + 100  # two requests, 6 verify slots each
-    assert commit_slots(loc, 2, 6, 4).tolist() == [[100, 101, 102, 103], [106, 107, 108, 109]]
-    # narrower than the commit width: the n real slots, then the last one repeated (unwritten)
-    assert commit_slots(loc, 2, 6, 8).tolist() == [[100, 101, 102, 103, 104, 105, 105, 105],
-                                                   [106, 107, 108, 109, 110, 111, 111, 111]]
+
+def plan_of(batch, budget: int = B) -> StepPlan:
+    return StepPlan(len(batch.seq_lens), budget, batch.spec_info)
+
+
+def test_plan_clamps_finished_rows_and_takes_the_budget():
+    w = make_step()
+    batch = make_batch(seq_lens=(5, 60))  # 60 + 9 verify tokens would pass the 64-slot row
+    relay = batch.spec_info
+    plan = w.begin_step(batch)
+    assert plan == StepPlan(bs=2, budget=B, draft_input=relay) and plan.width == B + 1
+    assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
+    calls = []
+    w = make_step(budget_controller=SimpleNamespace(
+        choose=lambda bs, constrained: 3 + constrained,
+        start_step=lambda bs, b, constrained: calls.append((bs, b, constrained))))
+    assert w.begin_step(make_batch()).budget == 3 and calls == [(2, 3, False)]
+    plan = w.begin_step(make_batch(has_grammar=True))  # a grammar batch: its own lane
+    assert plan.budget == 4 and plan.constrained and calls[-1] == (2, 4, True)
+    stale = make_batch()
+    stale.spec_info = object()
+    with pytest.raises(RuntimeError, match="DFlashDraftInputV2"):
+        w.begin_step(stale)
+
+
+def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
+    w = make_step()
+    batch = make_batch()
+    hidden = torch.randn(2, BLOCK, H)
+    tree = w.build_tree(batch, plan_of(batch, 5), hidden)
+    logits = hidden[:, 1:] @ LM_HEAD.weight.T
+    full = VerifyLayout(*tree_stage(logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3,
+                                    build_draft_tree))
+    assert tree.layout.tree_parents.shape == (2, 6) and tree.grammar_tree is None
+    assert torch.equal(tree.layout.draft_tokens.view(2, 6),
+                       full.draft_tokens.view(2, B + 1)[:, :6])
+    assert tree.depth_probs is None  # a pinned budget gathers no statistics
+    started = []
+    monkeypatch.setattr(sg, "GrammarTree", SimpleNamespace(
+        from_device=lambda **kw: started.append(kw) or "tree copy"))
+    batch.has_grammar = True
+    assert w.build_tree(batch, plan_of(batch, 5), hidden).grammar_tree == "tree copy"
+    assert started[0]["draft_token"].shape == (2, 6)
+    assert torch.equal(started[0]["retrieve_next_token"], tree.layout.retrieve_next_token)
+
+
+def test_the_draft_starts_from_the_plan_s_relay_state():
+    w = make_step()
+    batch = make_batch()
+    plan = w.begin_step(batch)
+    batch.spec_info = "replaced by a later stage"
+    assert w.draft(batch, plan).shape == (2, BLOCK, H)
+    assert w.io.calls == [("draft", plan.draft_input)]
+
+
+def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
+    budget_controller = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
+    w = make_step(budget_controller=budget_controller)
+    runner = w.io.target_runner
+    w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
+    built = []
+
+    def start(batch, grammar_tree, width, barrier, device, method, costs):
+        barrier()
+        built.append(dict(tree=grammar_tree, width=width, method=method, costs=costs))
+        return "grammar step"
+
+    monkeypatch.setattr(wmod, "start_grammar_step", start)
+    tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
+    barrier = []
+    batch = make_batch()
+    with w.verify_runtime(6):
+        out = w.verify(batch, plan_of(batch, 5), tree, lambda: barrier.append(1))
+    assert w.io.calls == [("verify", ("narrow backend", "narrow graphs"))]
+    assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
+                                                                      "configured graphs")
+    assert out.grammar == "grammar step" and out.out_cache_loc == "slots"
+    assert out.forward_batch == "verify batch" and out.can_run_graph
+    assert barrier == [1]
+    assert built[0] == dict(tree="tree copy", width=6, method="tree", costs=w.mask_costs)
+
+    def broken(*a):
+        raise RuntimeError("verify failed")
+
+    w.io.target_verify = broken
+    with pytest.raises(RuntimeError, match="verify failed"), w.verify_runtime(6):
+        w.verify(batch, plan_of(batch, 5), tree, None)
+    assert runner.attn_backend == "configured backend"  # restored on failure too
+
+
+class EvenTokens:
+    """A grammar mask allowing even token ids only (SGLang's GrammarMask.apply contract)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits[:, 1::2] = float("-inf")
+
+
+def test_sample_and_accept_masks_every_node_before_choosing():
+    w = make_step()
+    batch = make_batch()
+    plan = plan_of(batch)
+    tree = drafted(w, batch, plan)
+    logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
+    verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
+                        can_run_graph=True,
+                        grammar=GrammarStep(mask=EvenTokens()))
+    acc = w.sample_and_accept(batch, plan, tree, verified)
+    assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar
+    masked = logits.clone()
+    masked[:, 1::2] = float("-inf")
+    assert torch.equal(acc.choice, masked.argmax(-1).view(2, B + 1))
+    lay = tree.layout
+    ref = StepCommit(*accept_stage(lay.draft_tokens.view(2, B + 1), lay.tree_parents,
+                                   lay.tree_depths, acc.choice, 3, BLOCK))
+    for got, want in zip(vars(acc.commit).values(), vars(ref).values()):
+        assert torch.equal(got, want)
+    committed = [acc.commit.tokens[r, :acc.commit.commit_lens[r]] for r in range(2)]
+    assert all((t % 2 == 0).all() for t in committed) and acc.penalties is None
+
+
+def test_sample_and_accept_without_a_grammar_is_the_plain_argmax():
+    w = make_step()
+    batch = make_batch()
+    plan = plan_of(batch)
+    tree = drafted(w, batch, plan)
+    logits = torch.randn(2 * (B + 1), V)
+    verified = Verified(None, logits.clone(), None, True, None)
+    assert torch.equal(w.sample_and_accept(batch, plan, tree, verified).choice,
+                       logits.argmax(-1).view(2, B + 1))
+
+
+def test_grammar_traversal_over_the_tree_sees_each_node_s_own_path():
+    """SGLang's bitmask traversal walks DDTREE's tree through its first-child / next-sibling
+    links: every node's mask is filled with the grammar advanced along exactly that node's
+    path from the root (and rolled back after), so each node's row constrains its own prefix."""
+    from sglang.srt.speculative.spec_utils import generate_token_bitmask
+
+    w = make_step()
+    batch = make_batch()
+    tree = drafted(w, batch, plan_of(batch))
+    lay = tree.layout
+    n = B + 1
+
+    class Recorder:
+        def __init__(self):
+            self.path, self.filled = [], {}
+
+        def allocate_vocab_mask(self, vocab_size, batch_size, device):
+            return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+        def accept_token(self, t):
+            self.path.append(t)
+
+        def rollback(self, k):
+            del self.path[-k:]
+
+        def is_terminated(self):
+            return False
+
+        def fill_vocab_mask(self, mask, idx):
+            self.filled[idx] = list(self.path)
+
+    reqs = [SimpleNamespace(grammar=Recorder()), SimpleNamespace(grammar=None)]
+    generate_token_bitmask(reqs, lay.retrieve_next_token, lay.retrieve_next_sibling,
+                           lay.draft_tokens.view(2, n), V)
+    rec = reqs[0].grammar
+    assert sorted(rec.filled) == list(range(n)) and rec.path == []
+    tokens, parents = lay.draft_tokens.view(2, n)[0].tolist(), lay.tree_parents[0].tolist()
+    for i in range(n):
+        path, j = [], i
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        assert rec.filled[i] == path[::-1], i
+
+
+def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
+    from ddtree_sglang.logprobs import committed_log_probs
+
+    w = make_step()
+    batch = make_batch(return_logprob=True, top_logprobs_nums=[3, 0],
+                       token_ids_logprobs=[None, [1, 2]])
+    plan = plan_of(batch)
+    tree = drafted(w, batch, plan)
+    logits = torch.randn(2 * (B + 1), V)
+    out = SimpleNamespace(next_token_logits=logits, hidden_states=None, customized_info=None)
+    verified = Verified(out, logits, "fb", True, None, out_cache_loc="slots")
+    acc = w.sample_and_accept(batch, plan, tree, verified)
+    published = []
+    result = w.commit(batch, plan, tree, verified, acc, published.append)
+    step = acc.commit
+    assert w.io.calls == [("move", "slots", B + 1), ("features", "slots")]
+    assert torch.equal(result.accept_lens, step.commit_lens)
+    assert torch.equal(result.next_token_ids, step.tokens.reshape(-1))
+    assert torch.equal(published[0], batch.seq_lens + step.commit_lens)
+    assert result.speculative_num_draft_tokens == BLOCK
+    assert out.next_token_logprobs.shape == (2, BLOCK)
+    lp = torch.log_softmax(logits, -1)
+    for r in range(2):
+        for j in range(int(step.commit_lens[r])):
+            row = int(step.feature_rows[r, j])
+            assert torch.isclose(out.next_token_logprobs[r, j], lp[row, step.tokens[r, j]])
+    assert len(out.next_token_top_logprobs_val) == 2 * BLOCK
+    first = out.next_token_top_logprobs_val[0]
+    assert torch.allclose(first, lp[int(step.feature_rows[0, 0])].topk(3).values)
+    assert len(out.next_token_top_logprobs_val[BLOCK]) == 0  # the second request asked for 0
+    ids_val = out.next_token_token_ids_logprobs_val[BLOCK]
+    assert torch.allclose(torch.as_tensor(ids_val),
+                          lp[int(step.feature_rows[1, 0])][[1, 2]])
+    # sampling rows: the temperature divides before the softmax (greedy rows: 1)
+    row_lp, token_lp = committed_log_probs(logits, step.feature_rows, step.tokens,
+                                           torch.tensor([[0.5], [1.0]]))
+    assert torch.isclose(token_lp[0, 0], torch.log_softmax(
+        logits[int(step.feature_rows[0, 0])] / 0.5, -1)[step.tokens[0, 0]])
+
+
+def test_grammar_masked_tokens_get_the_lowest_finite_logprob():
+    from ddtree_sglang.logprobs import committed_log_probs
+
+    logits = torch.full((1, 5), float("-inf"))
+    logits[0, 1] = 0.0  # the grammar allows one token
+    row_lp, token_lp = committed_log_probs(logits, torch.tensor([[0, 0]]),
+                                           torch.tensor([[1, 3]]), None)
+    assert token_lp[0, 0] == 0.0 and token_lp[0, 1] == torch.finfo(torch.float32).min
+    assert torch.isfinite(row_lp).all()
+
+
+def test_a_decode_step_runs_its_stages_in_order(monkeypatch):
+    w = make_step()
+    order = []
+    for name in ("draft", "build_tree", "verify", "sample_and_accept", "commit", "end_step"):
+        monkeypatch.setattr(w, name, lambda *a, name=name: order.append(name) or name)
+    monkeypatch.setattr(w, "begin_step", lambda b: order.append("begin_step") or StepPlan(2, 5))
+    runtimes = []
+    monkeypatch.setattr(w, "verify_runtime", lambda width: runtimes.append(width)
+                        or contextlib.nullcontext())
+    assert w.run(make_batch()) == "commit"
+    assert order == ["begin_step", "draft", "build_tree", "verify", "sample_and_accept",
+                     "commit", "end_step"]
+    assert runtimes == [6]  # the verify ran inside the plan's width runtime
+
+
+def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
+    observed, clock = [], []
+    w = make_step(budget_controller=SimpleNamespace(observe=lambda *a: observed.append(a)),
+                  clock=SimpleNamespace(end=lambda: clock.append("end")))
+    commit_lens = torch.tensor([2, 3])
+    out = SimpleNamespace(customized_info=None)
+    tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
+    accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
+    w.end_step(StepPlan(2, 5, constrained=True), tree, SimpleNamespace(logits_output=out),
+               accepted)
+    assert observed == [(2, 5, "probs", commit_lens, True)] and clock == ["end"]
+    assert out.customized_info == {"ddtree_budget": [5, 5]}
+
+
+class EvenMatcher:
+    """An xgrammar-like matcher whose grammar allows even token ids only."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.depth = vocab, 0
+
+    def accept_token(self, token: int) -> bool:
+        self.depth += token % 2 == 0
+        return token % 2 == 0
+
+    def rollback(self, k: int = 1) -> None:
+        self.depth -= k
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        from ddtree_sglang.grammar_masks import bitmask_words
+
+        bits = torch.zeros(bitmask_words(self.vocab) * 32, dtype=torch.int64)
+        bits[0:self.vocab:2] = 1
+        words = (bits.view(-1, 32) << torch.arange(32)).sum(-1)
+        bitmask[index] = words.to(torch.int64).view(-1).to(torch.int32)
+
+
+def test_a_sampled_walk_masks_only_its_path_and_commits_what_full_masks_commit():
+    """A request walked with a mask per visited node (SGLANG_DDTREE_GRAMMAR=path for a
+    sampled or logprob request) commits what masking every node commits, and its visited rows
+    carry the masked logits."""
+    from ddtree_sglang.grammar_masks import PathWalk
+
+    w = make_step()
+    batch = make_batch()
+    plan = plan_of(batch)
+    tree = drafted(w, batch, plan)
+    lay, n = tree.layout, B + 1
+    logits = torch.randn(2 * n, V, generator=torch.Generator().manual_seed(4))
+    matcher = EvenMatcher(V)
+    walk = PathWalk(matcher, lay.retrieve_next_token[0].tolist(),
+                    lay.retrieve_next_sibling[0].tolist(),
+                    lay.draft_tokens.view(2, n)[0].tolist())
+    step = GrammarStep(mask=None, sampled=Walks((0,), (walk,), ("r",)))
+    verified = Verified(None, logits.clone(), None, True, step)
+    acc = w.sample_and_accept(batch, plan, tree, verified)
+    full = logits.clone()
+    full[:n, 1::2] = float("-inf")  # request 0 masked at every node
+    want = full.argmax(-1).view(2, n)
+    ref = StepCommit(*accept_stage(lay.draft_tokens.view(2, n), lay.tree_parents,
+                                   lay.tree_depths, want, 3, BLOCK))
+    assert torch.equal(acc.commit.tokens, ref.tokens)
+    assert torch.equal(acc.commit.commit_lens, ref.commit_lens)
+    visited = sorted(walk.choices)
+    assert torch.equal(acc.logits[visited], full[visited]) and matcher.depth == 0
+    assert len(visited) == int(acc.commit.commit_lens[0])  # one mask per committed token
+    assert w.mask_costs.walk_us["r"] > 0
+
+
+def test_per_node_sampling_draws_each_row_with_its_request_s_settings():
+    """sample_per_node (every node) and sample_for_requests (any rows, e.g. a sampled walk's
+    visited nodes) draw a row with its own request's temperature, min-p and seed: the same
+    seeded draw whichever way the rows are gathered."""
+    from ddtree_sglang.sampling import sample_rows
+
+    n, gen = 5, torch.Generator().manual_seed(9)
+    logits = torch.randn(2 * n, V, generator=gen)
+    si = SimpleNamespace(is_all_greedy=False, temperatures=torch.tensor([[0.7], [1.3]]),
+                         top_ks=torch.tensor([V, V]), top_ps=torch.tensor([1.0, 1.0]),
+                         min_ps=torch.tensor([0.0, 0.05]), need_top_k_sampling=False,
+                         need_top_p_sampling=False, need_min_p_sampling=True)
+    seeds, positions = torch.tensor([11, 12]), torch.arange(2 * n) % n + 40
+    got = wmod.sample_per_node(logits, si, n, seeds, positions)
+    want = sample_rows(logits, si.temperatures.repeat_interleave(n, 0), None, None,
+                       si.min_ps.repeat_interleave(n, 0), seeds=seeds.repeat_interleave(n),
+                       positions=positions)
+    assert torch.equal(got, want)
+    rows = torch.tensor([7, 2, 9])  # request 1's node 2, request 0's node 2, request 1's node 4
+    some = wmod.sample_for_requests(logits[rows], si, rows // n, seeds, positions[rows])
+    assert torch.equal(some, got[rows])
+    greedy = SimpleNamespace(is_all_greedy=True)
+    assert torch.equal(wmod.sample_per_node(logits, greedy, n), logits.argmax(-1))

@@ -15,7 +15,7 @@ from ddtree_sglang.acceptance import accept_tree, committed_tokens  # noqa: E402
 from ddtree_sglang.grammar_masks import (PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          first_allowed, follow_paths, masked_argmax,
                                          unpack_bitmask)
-from ddtree_sglang.layout import sibling_links  # noqa: E402
+from ddtree_sglang.verify_layout import sibling_links  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {

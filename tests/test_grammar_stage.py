@@ -13,7 +13,7 @@ pytest.importorskip("sglang")
 
 from ddtree_sglang.bench.grammars import KINDS  # noqa: E402
 from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks  # noqa: E402
-from ddtree_sglang.layout import sibling_links  # noqa: E402
+from ddtree_sglang.verify_layout import sibling_links  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import (WALK_ABOVE_US, MaskCosts,  # noqa: E402
                                                        build_grammar_step)
@@ -121,8 +121,8 @@ def test_the_grammar_valid_layout_cuts_constrained_rows_to_their_valid_nodes(set
     selection, gathered for the whole batch); a request without a grammar keeps the tree's
     first nodes, as truncate_layout gives them."""
     from ddtree_sglang.draft_tree import DraftTree
-    from ddtree_sglang.grammar_tree import select_nodes, valid_nodes
-    from ddtree_sglang.layout import build_verify_layout, truncate_layout
+    from ddtree_sglang.grammar_valid_tree import select_nodes, valid_nodes
+    from ddtree_sglang.verify_layout import build_verify_layout, truncate_layout
     from ddtree_sglang.sglang_plugin.grammar_stage import grammar_valid_layout
 
     vocab, compiled, sample = setup

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from ddtree_sglang import kernel_choice
-from ddtree_sglang.decode_step import accept_stage
+from ddtree_sglang.step_ops import accept_stage
 from ddtree_sglang.draft_tree import torch_top_log_probs
 from ddtree_sglang.kernel_choice import (Kernels, check_accept_kernel, check_builder,
                                          choose_kernels, random_verified_trees)
-from ddtree_sglang.tree import build_draft_tree
+from ddtree_sglang.draft_tree_builder import build_draft_tree
 
 
 def test_the_default_set_is_the_pytorch_references():

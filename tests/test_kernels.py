@@ -9,7 +9,7 @@ import pytest
 
 
 @pytest.mark.parametrize("script, marker", [
-    ("kernel_interpret_check.py", "KERNEL OK"),        # fused tree selection vs tree.py
+    ("kernel_interpret_check.py", "KERNEL OK"),        # fused tree selection vs draft_tree_builder.py
     ("kv_move_interpret_check.py", "KV MOVE OK"),      # accepted-KV move vs its reference
     ("logsumexp_interpret_check.py", "LOGSUMEXP OK"),  # float32 logsumexp vs torch
     ("accept_interpret_check.py", "ACCEPT OK"),        # fused acceptance walk vs accept_stage

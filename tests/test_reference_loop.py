@@ -84,7 +84,7 @@ def test_bad_inputs(spec):
         SamplingParams(temperature=1.0, top_p=0.0)
 
 
-def test_adaptive_budget_is_lossless_and_recorded(spec):
+def test_batch_aware_budget_is_lossless_and_recorded(spec):
     """A budget chosen per step (truncating one tree) keeps greedy output equal to AR."""
     from ddtree_sglang.budget import BudgetController, StepCosts
 

@@ -285,7 +285,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_step_reaches_sglang_and_the_core_through_one_seam():
-    """The decode step (worker.py) imports the core only through its step modules; only
+    """The decode step (decode_step.py) imports the core only through its step modules; only
     sglang_api.py imports SGLang, and each name it imports from SGLang is vouched for by the
     contract (an entry of its own, or the class of one)."""
     import ast
@@ -293,10 +293,10 @@ def test_the_step_reaches_sglang_and_the_core_through_one_seam():
     from ddtree_sglang.sglang_plugin import contract
 
     plugin_dir = ROOT / "src" / "ddtree_sglang" / "sglang_plugin"
-    modules = _imports(plugin_dir / "worker.py")
+    modules = _imports(plugin_dir / "decode_step.py")
     core = {m for m in modules if m.startswith("ddtree_sglang") and
             not m.startswith("ddtree_sglang.sglang_plugin")}
-    assert core == {"ddtree_sglang.decode_step", "ddtree_sglang.sampling",
+    assert core == {"ddtree_sglang.step_ops", "ddtree_sglang.sampling",
                     "ddtree_sglang.logprobs"}
     assert not {m for m in modules if m.startswith(("sglang", "sgl_kernel"))}
     api = plugin_dir / "sglang_api.py"
@@ -433,7 +433,7 @@ def test_contract_covers_overrides_and_copied_source(monkeypatch):
     and an SGLang whose overridden method was renamed, or whose copied method changed, is
     refused when SGLang asks for the worker, before the worker module is imported."""
     from ddtree_sglang.sglang_plugin import (contract, draft_input, plugin, sglang_api as sg,
-                                             spec_algo, startup)
+                                             spec_algo, worker)
 
     def overridden(sub, *parents):
         return {n for n, v in vars(sub).items() if callable(v) and not n.startswith("__")
@@ -442,11 +442,11 @@ def test_contract_covers_overrides_and_copied_source(monkeypatch):
     table = {k.rsplit(".", 1)[1]: set(v) for k, v in contract.OVERRIDES.items()}
     assert overridden(spec_algo.DDTreeSpecAlgo, sg.CustomSpecAlgo, sg.SpeculativeAlgorithm) \
         == table["CustomSpecAlgo"] | table["SpeculativeAlgorithm"]
-    assert overridden(startup.DDTreeWorker, sg.DFlashWorkerV2) == table["DFlashWorkerV2"]
+    assert overridden(worker.DDTreeWorker, sg.DFlashWorkerV2) == table["DFlashWorkerV2"]
     assert overridden(draft_input.DDTreeDraftInput, sg.DFlashDraftInputV2) \
         == table["DFlashDraftInputV2"]
     assert contract.contract_violations() == []
-    assert plugin._worker_factory(None) is startup.DDTreeWorker
+    assert plugin._worker_factory(None) is worker.DDTreeWorker
 
     # an SGLang that renamed a method DDTREE overrides, and changed the one it copies
     renamed = sg.DFlashWorkerV2._make_next_draft_input_prefill
@@ -485,7 +485,7 @@ def test_the_package_s_imports_have_no_cycle():
                 subs = {f"{node.module}.{a.name}" for a in node.names} & set(files)
                 edges |= subs or {node.module}  # `from pkg import module` names the module
         graph[name] = edges - {name}
-    assert len(graph["ddtree_sglang.sglang_plugin.startup"]) > 10
+    assert len(graph["ddtree_sglang.sglang_plugin.worker"]) > 10
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
 
 
@@ -497,9 +497,9 @@ def test_every_parent_attribute_the_worker_writes_is_in_the_contract():
     import inspect
     import textwrap
 
-    from ddtree_sglang.sglang_plugin import contract, sglang_api as sg, startup
+    from ddtree_sglang.sglang_plugin import contract, sglang_api as sg, worker
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(startup.DDTreeWorker)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(worker.DDTreeWorker)))
     written = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                and isinstance(n.value, ast.Name) and n.value.id == "self"
                and isinstance(n.ctx, ast.Store)}

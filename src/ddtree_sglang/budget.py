@@ -19,7 +19,7 @@ choice itself compares a handful of numbers per step, so it takes plain floats o
 (no tensor ops: each small torch call costs microseconds where a tiny model's step is a few ms).
 `BudgetController` ties them together around one verify, with the gate, exploration and
 hysteresis a serving engine needs: the reference loop uses it as is, the SGLang worker through
-sglang_plugin/adaptive_budget.py (CUDA step timing, a lagged read-back of the statistics).
+sglang_plugin/budget_controller.py (CUDA step timing, a lagged read-back of the statistics).
 
 Because the builder's trees are best-first and prefix-closed, one tree built with the largest
 candidate budget yields every smaller budget's tree by truncation (`tree.truncate_tree`).
@@ -57,7 +57,7 @@ def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
     return torch.stack([cum[:, b - 1] for b in budgets], dim=1)
 
 
-# Candidate budgets of the adaptive choice below the configured maximum (which is always one):
+# Candidate budgets of the batch-aware choice below the configured maximum (which is always one):
 # a tree smaller than the chain (7) for heavy load, the chain's width (15), then doublings.
 CANDIDATE_BUDGETS = (7, 15, 31, 63, 127, 255, 511)
 
@@ -201,7 +201,7 @@ class LiveStepCosts(StepCosts):
     while other servers on the GPU were starting).
     The startup verify times come from the graphs' capture-time (short) contexts, so only live
     cells see how attention grows with the context; `least_sampled` tells an engine which
-    budget to try now and then (AdaptiveBudget explores)."""
+    budget to try now and then (GPUBudgetController explores)."""
 
     def __init__(self, table: dict[int, dict[int, float]], window: int = 15,
                  min_samples: int = 3, skip_first: int = 1) -> None:

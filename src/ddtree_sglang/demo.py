@@ -46,7 +46,7 @@ def verify_bytes(budget: int, context: int, config) -> int:
 def check_limits(args, tb, prompts: list[list[int]], budget: int, flag: str = "--budget") -> None:
     """`budget` (given as `flag`) and the output length against the tree, the target's
     positions and this machine's free memory."""
-    from ddtree_sglang.tree import check_budget
+    from ddtree_sglang.draft_tree_builder import check_budget
 
     spec = tb.speculator
     depth, vocab = spec.cfg.block_size - 1, int(spec.target.config.vocab_size)

@@ -1,7 +1,7 @@
 """The draft tree's types: what a tree builder returns, the budgets it can fill, and the
 PyTorch top-k of the draft positions every builder starts from.
 
-A leaf module (PyTorch only): the PyTorch builder (tree.py) and the fused Triton builder
+A leaf module (PyTorch only): the PyTorch builder (draft_tree_builder.py) and the fused Triton builder
 (kernels/tree_build.py) both import it, and neither imports the other.
 """
 

@@ -1,5 +1,5 @@
 """Fused Triton kernel for the draft-tree selection (B <= 256, depth <= 16), one program per
-request.  Reference: ddtree_sglang.tree.build_draft_tree, which it reproduces exactly (given
+request.  Reference: ddtree_sglang.draft_tree_builder.build_draft_tree, which it reproduces exactly (given
 the same top-k of the draft positions).
 
 The PyTorch builder spends its time launching two sorts and a few gathers per depth.  Here the

@@ -30,8 +30,8 @@ import torch
 
 from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
                                          follow_paths, follow_sampled_paths)
-from ddtree_sglang.grammar_tree import select_layout, select_nodes, valid_nodes
-from ddtree_sglang.layout import VerifyLayout, truncate_layout
+from ddtree_sglang.grammar_valid_tree import select_layout, select_nodes, valid_nodes
+from ddtree_sglang.verify_layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import sglang_api as sg
 
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
@@ -221,7 +221,7 @@ def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], No
 
 def grammar_valid_layout(reqs: list, layout: VerifyLayout, width: int) -> VerifyLayout:
     """The verify layout of `width` tokens a request cut from the candidate tree `layout`:
-    for a request with a native grammar, its best grammar-valid nodes (grammar_tree.py; the
+    for a request with a native grammar, its best grammar-valid nodes (grammar_valid_tree.py; the
     matchers must already hold the previous step's tokens), for any other the tree's first
     nodes, as truncate_layout.  Reads the candidate tree back to the host (one wait for the
     draft and tree stages)."""

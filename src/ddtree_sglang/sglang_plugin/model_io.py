@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ddtree_sglang.decode_step import StepCommit, commit_slots, kv_moves, verify_mask
+from ddtree_sglang.step_ops import StepCommit, commit_slots, kv_moves, verify_mask
 from ddtree_sglang.kernel_choice import Kernels
 from ddtree_sglang.sglang_plugin import sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len

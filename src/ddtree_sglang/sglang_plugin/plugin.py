@@ -28,7 +28,7 @@ def _worker_factory(server_args):
     from ddtree_sglang.sglang_plugin import contract
 
     contract.check_contract()
-    from ddtree_sglang.sglang_plugin.startup import DDTreeWorker
+    from ddtree_sglang.sglang_plugin.worker import DDTreeWorker
 
     return DDTreeWorker
 

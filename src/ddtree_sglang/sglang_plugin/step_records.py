@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ddtree_sglang.decode_step import StepCommit, VerifyLayout
+from ddtree_sglang.step_ops import StepCommit, VerifyLayout
 from ddtree_sglang.penalties import PenaltyParams
 
 

@@ -1,292 +1,241 @@
-"""The DDTREE decode step: DFLASH's block draft turned into a tree, verified in one target pass.
+"""DDTreeWorker: SGLang's DFlash worker with the linear verify replaced by a draft tree.
 
-`DecodeStep.run` begins (the batch's one change, the budget for this batch, the step clock),
-runs five stages over the records of step_records.py, the verify inside its width's runtime
-(`verify_runtime`), and ends (the budget controller's observation, the clock):
-
-  draft             the block [bonus, MASK x (bs-1)] through the drafter once;
-  build tree        the drafter's full distributions (through the target's lm_head) -> the
-                    B-best tree, its verify layout and mask (ddtree_sglang core), cut to the
-                    budget chosen for this batch (adaptive_budget.py; B when pinned);
-  verify            root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask
-                    input (CUDA graphs captured with the mask, see plugin.py); while it runs,
-                    the host builds the grammar's node masks (structured output,
-                    grammar_stage.py);
-  sample and accept each node's logits get the request's grammar mask and penalties as plain
-                    decoding would apply them there; the target samples once per node (argmax
-                    when greedy), greedy constrained requests may walk their grammar along the
-                    accepted path instead of masking every node, and the tree is walked along
-                    the choices (core);
-  commit            the accepted nodes' target KV moves to the committed positions, their
-                    hidden states enter the draft KV, and the committed tokens' logprobs are
-                    read off the same node logits when asked.
-No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
-(SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
-target's top-K per node (greedy) or each depth's draws (sampled), and the grammar-valid tree
-(SGLANG_DDTREE_GRAMMAR_TREE=valid) reads the candidate tree before the verify.  The step reaches the models and DFLASH's buffers only through `io`
-(model_io.py); startup.py builds it and captures its graphs.
+This is the class SGLang instantiates for `--speculative-algorithm DDTREE` (plugin.py checks
+the SGLang contract before importing this module), and what it does at startup: the kernel
+choice, the tree-verify attention install, the CUDA-graph capture of the tree and accept
+stages, the batch-aware budget's per-width runtimes.
+Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
+DFlashWorkerV2's.  A decode step is worker.DecodeStep's, built once the KV pools exist
+(init_cuda_graphs); prefill is DFLASH's, run here so that requests with logprobs are served.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable
+import functools
+import logging
+import time
+from dataclasses import replace
 
 import torch
 
-from ddtree_sglang.decode_step import StepCommit, penalise_nodes, truncate_layout, \
-    unpack_tree_stage
-from ddtree_sglang.logprobs import committed_log_probs
-from ddtree_sglang.sampling import sample_rows
+from ddtree_sglang.step_ops import truncate_layout, unpack_tree_stage
+from ddtree_sglang.kernel_choice import Kernels, choose_kernels
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
-from ddtree_sglang.sglang_plugin.adaptive_budget import AdaptiveBudget
-from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
-                                                      grammar_valid_layout,
-                                                      sampled_grammar_choices,
-                                                      start_grammar_step)
+from ddtree_sglang.sglang_plugin.budget_controller import GPUBudgetController, build_budget_controller
+from ddtree_sglang.sglang_plugin.draft_input import make_draft_input
+from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
-from ddtree_sglang.sglang_plugin.model_io import ModelIO
-from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
-from ddtree_sglang.sglang_plugin.settings import DDTreeSettings
-from ddtree_sglang.sglang_plugin.step_records import Accepted, DraftedTree, StepPlan, Verified
-from ddtree_sglang.sglang_plugin.tree_stages import TreeStages
+from ddtree_sglang.sglang_plugin.model_io import DFlashModelIO, draft_logits
+from ddtree_sglang.sglang_plugin.request_state import PenaltyState
+from ddtree_sglang.sglang_plugin.server_args import settings_from_args
+from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages
+from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
+                                                          check_verify_attention)
+from ddtree_sglang.sglang_plugin.decode_step import DecodeStep
+
+logger = logging.getLogger(__name__)
 
 
-def sample_for_requests(logits: torch.Tensor, sampling_info, req_index: torch.Tensor,
-                        seeds: torch.Tensor | None = None,
-                        positions: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows] the target's choice for each row of `logits` [rows, V], row r with request
-    req_index[r]'s settings: argmax, or one draw from the filtered distribution
-    (ddtree_sglang.sampling, joint top-k/top-p, with sgl_kernel's renorm kernels; rows of
-    seeded requests draw as a function of (seed, the row's node position))."""
-    if sampling_info is None or sampling_info.is_all_greedy:
-        return logits.argmax(dim=-1)
+class DDTreeWorker(sg.DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        # Both are read by init_attention_backends, which the parent's __init__ calls.
+        self.settings = s = settings_from_args(server_args)
+        started = time.perf_counter()
+        self.kernels = self._choose_kernels(target_worker, gpu_id)
+        checks_s = time.perf_counter() - started
+        super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
+                         target_worker=target_worker)
+        # Read by the parent's draft-block methods (contract.ATTRIBUTES lists them): the parent
+        # took its block from --speculative-num-draft-tokens, which for DDTREE is the verify
+        # width B + 1; the drafter's block is the settings' block_size.
+        self.block_size = s.block_size
+        self.speculative_num_draft_tokens = s.verify_width
+        self._block_pos_offsets = sg.build_block_pos_offsets(length=s.block_size,
+                                                             device=self.device)
+        self._draft_block_spec_info = sg.make_draft_block_spec_info(
+            draft_token_num=s.block_size, device=self.device)
+        self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        lm_head = self.target_worker.model_runner.model.lm_head
+        self.stages = GraphedStages(
+            self.kernels, s.budget, s.depth, s.block_size,
+            functools.partial(draft_logits, lm_head, vocab_size=self.vocab_size),
+            tuple(s.budgets), s.cuda_graph_tree)
+        self.step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
+        # What the drafter's layers compute in (its first matrix weight): the target's
+        # embeddings may differ, and SGLang's eager path casts them to bfloat16.
+        draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
+                           if p.dim() == 2 and p.is_floating_point())
+        patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
+        # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
+        # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
+        self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
+                        "drafter weights %s; kernels: %s (startup checks %.1f s)", s.budget,
+                        s.verify_width, s.block_size, s.depth, draft_dtype,
+                        self.kernels.describe(), checks_s)
 
-    def pick(x):
-        return x.index_select(0, req_index)
+    def _choose_kernels(self, target_worker, gpu_id: int) -> Kernels:
+        """Every kernel of the step checked once on this GPU (kernel_choice.py); the verify
+        attention variant is compared here with SGLang's own extend kernel and installed by
+        init_attention_backends where the target's backend is triton."""
+        s = self.settings
+        runner = target_worker.model_runner
+        device = torch.device("cuda", gpu_id) if torch.cuda.is_available() else "cpu"
+        dtype = runner.model.lm_head.weight.dtype
 
-    si = sampling_info
-    return sample_rows(
-        logits, pick(si.temperatures), pick(si.top_ks) if si.need_top_k_sampling else None,
-        pick(si.top_ps) if si.need_top_p_sampling else None,
-        pick(si.min_ps) if si.need_min_p_sampling else None,
-        top_k_renorm=sg.top_k_renorm_prob, top_p_renorm=sg.top_p_renorm_prob,
-        seeds=None if seeds is None else pick(seeds), positions=positions)
+        def check_verify(name: str) -> str | None:
+            return check_verify_attention(sg.extend_attention_fwd, sg.merge_state_triton,
+                                          sg.extend_attention_signature(), device, dtype,
+                                          make=VARIANTS[name])
 
+        return choose_kernels(tree_kernel=s.tree_kernel, budget=s.budget, depth=s.depth,
+                              vocab=int(runner.model_config.vocab_size), out_width=s.block_size,
+                              device=device, dtype=dtype, verify_attention=s.verify_attention,
+                              check_verify_attention=check_verify)
 
-def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
-                    seeds: torch.Tensor | None = None,
-                    positions: torch.Tensor | None = None) -> torch.Tensor:
-    """[bs * n] the target's choice at every node of [bs * n, V] logits."""
-    req_index = torch.arange(logits.shape[0] // n, device=logits.device).repeat_interleave(n)
-    return sample_for_requests(logits, sampling_info, req_index, seeds, positions)
+    def init_attention_backends(self):
+        """After SGLang made the target's attention backend (it runs first) and before any
+        graph is captured: install the tree-verify attention the kernel choice kept.  It
+        replaces the triton backend's extend kernel only: the default applies there alone,
+        and a variant named for another backend is dropped, with why."""
+        super().init_attention_backends()
+        variant = self.kernels.verify_attention
+        backend = self.target_worker.model_runner.attn_backend
+        if variant != "single" and not sg.is_triton_attention(backend):
+            dropped = self.kernels.dropped
+            if self.settings.verify_attention_named:
+                dropped += ((f"{variant} verify attention", f"the target's attention backend "
+                             f"is {type(backend).__name__}, not triton"),)
+            self.kernels = replace(self.kernels, verify_attention="single", dropped=dropped)
+            return
+        if variant == "single":
+            return
+        patches.wrap_verify_attention(backend, VARIANTS[variant])
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE verify attention: %s", "split from %d requests a verify "
+                        "(mask-free prefix + masked tree, merged by log-sum-exp)"
+                        % SPLIT_MIN_REQUESTS if variant == "split" else "kernel (split-KV "
+                        "prefix + masked tree in one online softmax, kernels/tree_attention.py)")
 
+    def init_cuda_graphs(self):
+        """SGLang's graphs, then the tree stages' (if the batch sizes were unknown before),
+        the batch-aware budget's per-width runtimes, and the decode step over them."""
+        super().init_cuda_graphs()
+        if not self._tree_graphs_done:
+            self._tree_graphs_done = self._capture_tree_graphs("after the KV pool")
+        s = self.settings
+        budget_controller = self._build_budget_controller() if len(s.budgets) > 1 else None
+        clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
+        rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+        io = DFlashModelIO(self, self.kernels, s.block_size, s.verify_width, self.vocab_size)
+        self.step = DecodeStep(s, self.vocab_size, io, self.stages,
+                               PenaltyState(rows, self.vocab_size, self.device), MaskCosts(),
+                               budget_controller, clock)
 
-class DecodeStep:
-    """One DDTREE decode step over a running batch, built from what it uses: the settings,
-    the vocabulary size, the model I/O, the tree and accept stages (graphed by startup), the
-    penalty and grammar-cost state kept across steps, the batch-aware budget (None: B pinned)
-    and the host clock."""
+    def _build_budget_controller(self) -> GPUBudgetController | None:
+        variant = self.kernels.verify_attention
 
-    def __init__(self, settings: DDTreeSettings, vocab_size: int, io: ModelIO,
-                 stages: TreeStages, penalties: PenaltyState, mask_costs: MaskCosts,
-                 adaptive: AdaptiveBudget | None = None,
-                 clock: StageClock | NoClock | None = None) -> None:
-        self.settings, self.vocab_size, self.io, self.stages = settings, vocab_size, io, stages
-        self.penalties, self.mask_costs, self.adaptive = penalties, mask_costs, adaptive
-        self.clock = clock or NoClock()
-        self.depth, self.out_width = settings.depth, settings.block_size
+        def install(backend) -> None:  # the variant the configured width's backend runs
+            patches.wrap_verify_attention(backend, VARIANTS[variant])
 
-    def run(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
-        """The decode step: its five stages in order, each taking the records before it."""
-        plan = self.begin_step(batch)
-        hidden = self.draft(batch, plan)
-        self.clock.mark("draft")
-        tree = self.build_tree(batch, plan, hidden, grammar_barrier)
-        self.clock.mark("tree")
-        with self.verify_runtime(plan.width):
-            verified = self.verify(batch, plan, tree, grammar_barrier)
-        self.clock.mark("verify")
-        accepted = self.sample_and_accept(batch, plan, tree, verified)
-        self.clock.mark("sample + accept")
-        result = self.commit(batch, plan, tree, verified, accepted, on_publish)
-        self.clock.mark("commit")
-        self.end_step(plan, tree, verified, accepted)
-        return result
+        s = self.settings
+        return build_budget_controller(self.target_worker.model_runner, list(s.budgets), s.depth,
+                                     self.device, None if variant == "single" else install,
+                                     log=self.ps.tp_rank == 0, explore_every=s.explore_every,
+                                     min_gain=s.min_gain, grammar_lane=s.grammar_budget == "own")
 
-    def begin_step(self, batch) -> StepPlan:
-        """The step's plan (batch size, budget, the relay state it starts from); starts the
-        step clock and the budget controller's step.  The one place the step itself changes
-        the batch it is given: seq_lens clamped (below).  Two writes happen where SGLang's
-        conventions put them: its verify preparation's fields (model_io.DFlashModelIO.
-        target_verify; no stage reads them back: the tree's KV slots travel in Verified) and
-        the reset of sampling_info.grammar_mask, which would otherwise carry the prefill's
-        mask into the step (grammar_stage.start_grammar_step)."""
-        draft_input = batch.spec_info
-        if not isinstance(draft_input, sg.DFlashDraftInputV2):
-            raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
-        if batch.seq_lens.is_cuda:  # made on the scheduler's stream, used on this one
-            batch.seq_lens.record_stream(torch.cuda.current_stream())
-        bs = len(batch.seq_lens)
-        self.clock.start(bs)
-        # A request that already finished on the GPU can get one more step under overlap
-        # scheduling; keep its writes inside its own row (see draft_input.py).  A running
-        # request is never clamped.  (The KV reservation is always the largest width's.)
-        batch.seq_lens = batch.seq_lens.clamp(max=self.io.max_step_seq_len())
-        adaptive, constrained = self.adaptive, bool(batch.has_grammar)
-        budget = self.settings.budget if adaptive is None else adaptive.choose(bs, constrained)
-        if adaptive is not None:
-            adaptive.start_step(bs, budget, constrained)
-        return StepPlan(bs=bs, budget=budget, draft_input=draft_input, constrained=constrained)
+    def _capture_tree_graphs(self, when: str) -> bool:
+        """Capture the tree and acceptance stages for every decode CUDA-graph batch size
+        (largest first, so the shared pool is sized once), then freeze them: a batch size
+        seen later is padded to a captured one, nothing is captured while serving.
+        Returns whether the capture question is settled."""
+        stages, s = self.stages, self.settings
+        if not (stages.tree.enabled and torch.cuda.is_available()):
+            return True
+        decode = sg.decode_graph_config()
+        if decode is None or not decode.bs:
+            return False
+        if sg.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
+            stages.disable_graphs()
+            return True
+        sizes = sorted(set(decode.bs), reverse=True)
+        hidden = self.draft_model_runner.model_config.hidden_size
+        dtype = self.draft_model_runner.model_config.dtype
+        mem_before = torch.cuda.memory_reserved() / 2**20
+        started = time.perf_counter()
 
-    def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
-                 accepted: Accepted) -> None:
-        """The budget controller learns what the step committed (and each request's budget
-        is reported when traced); the step clock stops."""
-        if self.adaptive is not None:
-            self.adaptive.observe(plan.bs, plan.budget, tree.depth_probs,
-                                  accepted.commit.commit_lens, plan.constrained)
-            if self.settings.budget_trace:
-                patches.report_per_request(verified.logits_output, "ddtree_budget",
-                                           [plan.budget] * plan.bs)
-        self.clock.end()
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
 
-    @contextmanager
-    def verify_runtime(self, width: int):
-        """The target verifies through `width`'s attention backend and CUDA graphs (the
-        batch-aware budget's), and everything else through the configured width's again
-        afterwards, also when the verify fails."""
-        runner = self.io.target_runner
-        configured = sg.verify_runtime(runner)
-        if self.adaptive is not None:
-            patches.set_verify_runtime(runner, self.adaptive.runtimes[width])
         try:
-            yield
-        finally:
-            patches.set_verify_runtime(runner, configured)
+            for bs in sizes:
+                lay, _ = unpack_tree_stage(stages.tree(zeros(bs, s.depth, hidden, dtype=dtype),
+                                                       zeros(bs), zeros(bs) + 1))
+                for budget in s.budgets:  # one acceptance graph per verify width
+                    cut = truncate_layout(lay, budget + 1)
+                    stages.accept(cut.draft_tokens.view(bs, budget + 1), cut.tree_parents,
+                                  cut.tree_depths, zeros(bs, budget + 1))
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
+            logger.warning("DDTREE: startup capture of the tree stage failed (%s); it runs "
+                           "eagerly", exc)
+            stages.disable_graphs()
+            return True
+        stages.freeze()
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE tree/accept stages captured %s for batch sizes %s (%.0f MiB "
+                        "graph pool, %.1f s); other sizes are padded to these", when, sizes,
+                        torch.cuda.memory_reserved() / 2**20 - mem_before,
+                        time.perf_counter() - started)
+        return True
 
-    def draft(self, batch, plan: StepPlan) -> torch.Tensor:
-        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
-        return self.io.draft_block(batch, plan.draft_input)
+    def _maybe_build_draft_sampler(self):
+        return None  # DDTREE needs the drafter's whole distributions, not its argmax
 
-    def build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor,
-                   grammar_barrier=None) -> DraftedTree:
-        """Drafter states -> the trees cut to the plan's budget (for constrained requests
-        under SGLANG_DDTREE_GRAMMAR_TREE=valid, to their best grammar-valid nodes, once the
-        grammars hold the previous step's tokens: `grammar_barrier`); with a grammar in the
-        batch, the host copy of the tree that the bitmask needs starts here, before the
-        verify."""
-        layout, depth_probs = unpack_tree_stage(self.stages.tree(
-            hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long()))
-        if batch.has_grammar and self.settings.grammar_tree == "valid":
-            if grammar_barrier is not None:
-                grammar_barrier()
-            layout = grammar_valid_layout(batch.reqs, layout, plan.width)
-        else:
-            layout = truncate_layout(layout, plan.width)
-        grammar_tree = None
-        if batch.has_grammar:
-            grammar_tree = sg.GrammarTree.from_device(
-                retrieve_next_token=layout.retrieve_next_token,
-                retrieve_next_sibling=layout.retrieve_next_sibling,
-                draft_token=layout.draft_tokens.view(plan.bs, plan.width))
-        return DraftedTree(layout=layout, depth_probs=depth_probs, grammar_tree=grammar_tree)
+    def _make_next_draft_input_prefill(self, *, bonus_tokens, seq_lens):
+        return make_draft_input(bonus_tokens, seq_lens)
 
-    def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
-        """The target's pass over every tree node (through the runtime the pipeline set, see
-        verify_runtime), and the grammar's part of the step, built on the host while that
-        pass runs."""
-        logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
-            batch, plan.draft_input, tree.layout)
-        grammar = None
-        if tree.grammar_tree is not None:
-            grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
-                                         logits_output.next_token_logits.device,
-                                         self.settings.grammar, self.mask_costs)
-        return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
-                        forward_batch=forward_batch, can_run_graph=can_run_graph,
-                        grammar=grammar, out_cache_loc=slots)
+    def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
+        return make_draft_input(bonus_tokens, new_seq_lens)
 
-    def sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
-                          verified: Verified) -> Accepted:
-        """Each node's logits processed as plain decoding would at that node (grammar mask,
-        the request's penalties with the node's own path, logit bias), one target choice per
-        node, and the walk along them."""
-        bs, n, lay = plan.bs, plan.width, tree.layout
-        logits = verified.logits
-        grammar = verified.grammar
-        if grammar is not None and grammar.mask is not None:
-            grammar.mask.apply(logits)
-        penalties = self.penalties.params(batch.reqs)
-        if penalties is not None:
-            counts, out_len = self.penalties.rows_of(batch.req_pool_indices)
-            penalise_nodes(logits.view(bs, n, -1)[..., : self.vocab_size], counts, out_len,
-                           penalties, lay.draft_tokens.view(bs, n), lay.tree_parents,
-                           lay.tree_depths, self.depth)
-        sg.apply_dflash_verify_logits_adjustments(
-            next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
-        seeds = request_seeds(batch.reqs, logits.device)
-        choice = sample_per_node(logits, batch.sampling_info, n, seeds,
-                                 lay.positions).view(bs, n)
-        choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size,
-                                    self.mask_costs)
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+        step = self.step
+        if step is None:
+            raise RuntimeError("DDTREE: a forward pass before init_cuda_graphs built the step")
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
+                batch.forward_mode.is_idle():
+            return self._prefill(step, batch, on_publish, grammar_barrier)
+        return step.run(batch, on_publish, grammar_barrier)
 
-        def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
-            index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
-            flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
-            return sample_for_requests(rows, batch.sampling_info, index, seeds,
-                                       lay.positions.index_select(0, flat))
-
-        choice = sampled_grammar_choices(grammar, logits, choice, n, self.vocab_size, sample,
-                                         self.mask_costs)
-        commit = StepCommit(*self.stages.accept(lay.draft_tokens.view(bs, n), lay.tree_parents,
-                                                lay.tree_depths, choice))
-        return Accepted(choice=choice, commit=commit, penalties=penalties, logits=logits)
-
-    def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
-               accepted: Accepted, on_publish):
-        """The accepted path's KV to its committed positions, its target features into the
-        draft KV, the committed tokens' logprobs; the step's result."""
-        step = accepted.commit
-        if accepted.penalties is not None:
-            self.penalties.commit(batch.req_pool_indices, step.tokens, step.commit_lens)
-        new_seq_lens = batch.seq_lens + step.commit_lens.to(batch.seq_lens.dtype)
-        self.io.move_accepted_kv(batch, verified.out_cache_loc, step, plan.width)
+    def _prefill(self, step: DecodeStep, batch, on_publish, grammar_barrier):
+        """The target's prefill pass, which also samples the first token (and computes input
+        and output logprobs when asked), then the prompt's target features into the draft KV:
+        DFLASH's prefill, run here because DFLASH's refuses requests with logprobs.  The
+        step's state learns of the new requests (penalties) and of the break (budget)."""
+        if step.budget_controller is not None:
+            step.budget_controller.interrupt()
+        if batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+        result = self.target_worker.forward_batch_generation(
+            batch, capture_hidden_mode=sg.CaptureHiddenMode.FULL)
+        logits_output, first_tokens = result.logits_output, result.next_token_ids
+        result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
-            on_publish(new_seq_lens)
-        self.io.append_committed_features(verified.out_cache_loc, batch.seq_lens, plan,
-                                          verified.logits_output, step)
-        if batch.return_logprob:
-            self.add_logprobs(batch, verified.logits_output, accepted.logits, step)
-        return sg.GenerationBatchResult(
-            logits_output=verified.logits_output,
-            next_token_ids=step.tokens.reshape(-1),
-            accept_lens=step.commit_lens,
-            can_run_cuda_graph=verified.can_run_graph,
-            next_draft_input=self.io.next_draft_input(step.bonus, new_seq_lens),
-            speculative_num_draft_tokens=self.out_width,
-            new_seq_lens=new_seq_lens,
-            extra_keep_alive_refs=[verified.forward_batch, tree.layout],
-        )
-
-    def add_logprobs(self, batch, out, logits: torch.Tensor, step: StepCommit) -> None:
-        """The committed tokens' logprobs (and top / token-id logprobs when asked), read off
-        the processed node `logits` as plain decoding reads them, into the logits output `out`
-        in the layout SGLang's spec-v2 result processing reads: [bs, W] and bs * W rows."""
-        si = batch.sampling_info
-        temperatures = None if si is None or si.is_all_greedy or \
-            sg.RETURN_ORIGINAL_LOGPROB else si.temperatures
-        row_lp, token_lp = committed_log_probs(logits[:, : self.vocab_size],
-                                               step.feature_rows, step.tokens, temperatures)
-        width = self.out_width
-        out.next_token_logprobs = token_lp
-        if batch.top_logprobs_nums and any(k > 0 for k in batch.top_logprobs_nums):
-            out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx = \
-                sg.get_top_logprobs(
-                    row_lp, [k for k in batch.top_logprobs_nums for _ in range(width)],
-                    no_copy_to_cpu=True)
-        if batch.token_ids_logprobs and any(t is not None for t in batch.token_ids_logprobs):
-            out.next_token_token_ids_logprobs_val, out.next_token_token_ids_logprobs_idx = \
-                sg.get_token_ids_logprobs(
-                    row_lp, [t for t in batch.token_ids_logprobs for _ in range(width)],
-                    no_copy_to_cpu=True)
+            on_publish(batch.seq_lens)
+        if logits_output.hidden_states is None:
+            raise RuntimeError("DDTREE prefill needs the target's captured hidden states")
+        device = first_tokens.device
+        positions, _ = sg.compute_position(
+            self.model_runner.server_args.attention_backend,
+            torch.tensor(batch.prefix_lens, dtype=torch.int32, device=device),
+            torch.tensor(batch.extend_lens, dtype=torch.int32, device=device),
+            int(sum(batch.extend_lens)))
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=logits_output.hidden_states, cache_loc=batch.out_cache_loc,
+            positions=positions)
+        logits_output.hidden_states = None  # no host copy of the features under overlap
+        result.next_draft_input = self._make_next_draft_input_prefill(
+            bonus_tokens=first_tokens, seq_lens=batch.seq_lens)
+        step.penalties.on_prefill(batch.reqs, first_tokens)
+        return result

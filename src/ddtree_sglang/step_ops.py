@@ -19,8 +19,8 @@ import torch
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
 from ddtree_sglang.budget import expected_by_depth_per_request
 from ddtree_sglang.draft_tree import DraftTree
-from ddtree_sglang.layout import VerifyLayout, build_verify_layout, truncate_layout
-from ddtree_sglang.layout import full_mask as verify_mask
+from ddtree_sglang.verify_layout import VerifyLayout, build_verify_layout, truncate_layout
+from ddtree_sglang.verify_layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 
 __all__ = ["StepCommit", "VerifyLayout", "accept_stage", "commit_slots", "kv_moves",

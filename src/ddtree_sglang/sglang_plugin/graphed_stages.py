@@ -1,6 +1,6 @@
 """The decode step's two fixed-shape GPU stages, each a GraphedFunction: the tree stage
 (drafter states -> B-best tree -> verify layout) and the accept stage (target choices -> what
-the step commits).  startup.py captures them per decode batch size; the step calls them."""
+the step commits).  worker.py captures them per decode batch size; the step calls them."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.decode_step import tree_stage
+from ddtree_sglang.step_ops import tree_stage
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.kernel_choice import Kernels
 
 
-class TreeStages:
+class GraphedStages:
     """`tree(draft_hidden, roots, seq_lens)` and `accept(tokens, parents, depths, choice)`.
 
     draft_logits: [bs, L, H] drafter states -> [bs, L, V] logits (the target's lm_head);

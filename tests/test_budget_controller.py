@@ -1,11 +1,11 @@
 """The worker's batch-aware budget (budget.BudgetController through its SGLang glue,
-sglang_plugin/adaptive_budget.py), on the CPU: the host choice follows what the GPU-side
+sglang_plugin/budget_controller.py), on the CPU: the host choice follows what the GPU-side
 statistics learned, against the brute-force optimum."""
 import pytest
 import torch
 
 from ddtree_sglang.budget import BudgetController, LiveStepCosts
-from ddtree_sglang.sglang_plugin.adaptive_budget import (AdaptiveBudget, LaggedHostCopy,
+from ddtree_sglang.sglang_plugin.budget_controller import (GPUBudgetController, LaggedHostCopy,
                                                          StepTimer, _HostMark, verify_costs)
 
 BUDGETS = [7, 15, 32]
@@ -18,13 +18,13 @@ def depth_probs(bs: int, per_budget: list[float]) -> torch.Tensor:
     return p.contiguous()
 
 
-def adaptive(costs: LiveStepCosts, **options) -> AdaptiveBudget:
+def controller(costs: LiveStepCosts, **options) -> GPUBudgetController:
     runtimes = {b + 1: (f"backend{b}", f"graphs{b}") for b in BUDGETS}
-    return AdaptiveBudget(BudgetController(BUDGETS, costs, DEPTH, **options), runtimes)
+    return GPUBudgetController(BudgetController(BUDGETS, costs, DEPTH, **options), runtimes)
 
 
-def make(costs: dict) -> AdaptiveBudget:
-    return adaptive(LiveStepCosts(costs), expected_decay=0.5)
+def make(costs: dict) -> GPUBudgetController:
+    return controller(LiveStepCosts(costs), expected_decay=0.5)
 
 
 def brute_force(bs: int, expected: list[float], ms: list[float]) -> int:
@@ -98,7 +98,7 @@ def test_startup_costs_need_every_width_timed():
 
 
 def test_statistics_are_updated_on_every_nth_step_only():
-    ab = adaptive(LiveStepCosts({8: {7: 1.0, 15: 1.0, 32: 1.0}}), expected_decay=0.5,
+    ab = controller(LiveStepCosts({8: {7: 1.0, 15: 1.0, 32: 1.0}}), expected_decay=0.5,
                   stats_every=3)
     ones = torch.full((8,), 5, dtype=torch.int32)  # every request accepts 4 draft tokens
     ab.observe(8, 32, depth_probs(8, [1.0, 2.0, 3.0]), ones)  # the first: kept
@@ -111,7 +111,7 @@ def test_statistics_are_updated_on_every_nth_step_only():
 
 
 def test_exploration_measures_every_candidate():
-    ab = adaptive(LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}), explore_every=4)
+    ab = controller(LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}), explore_every=4)
     ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     picks = [ab.choose(8) for _ in range(12)]
@@ -135,14 +135,14 @@ def test_exploration_refreshes_the_stalest_cell_once_windows_are_full():
 
 
 def test_exploration_can_be_turned_off():
-    ab = adaptive(LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}), explore_every=0)
+    ab = controller(LiveStepCosts({8: {7: 1.0, 15: 1.1, 32: 1.2}}), explore_every=0)
     ab.observe(8, 32, depth_probs(8, [0.5, 1.0, 3.0]),
                torch.full((8,), 4, dtype=torch.int32))
     assert [ab.choose(8) for _ in range(40)] == [32] * 40
 
 
-def gated(costs: dict, min_gain: float = 0.03, explore_every: int = 4) -> AdaptiveBudget:
-    return adaptive(LiveStepCosts(costs, window=5, min_samples=1, skip_first=0),
+def gated(costs: dict, min_gain: float = 0.03, explore_every: int = 4) -> GPUBudgetController:
+    return controller(LiveStepCosts(costs, window=5, min_samples=1, skip_first=0),
                     expected_decay=0.5, explore_every=explore_every, min_gain=min_gain)
 
 
@@ -225,7 +225,7 @@ def test_grammar_batches_size_their_tree_from_their_own_step_costs():
 
     table = {8: {7: 10.0, 15: 10.2, 32: 10.5}}
     plain_costs = LiveStepCosts(table)
-    ab = AdaptiveBudget(BudgetController(BUDGETS, plain_costs, DEPTH, expected_decay=0.5),
+    ab = GPUBudgetController(BudgetController(BUDGETS, plain_costs, DEPTH, expected_decay=0.5),
                         {b + 1: b for b in BUDGETS},
                         BudgetController(BUDGETS, copy.deepcopy(plain_costs), DEPTH,
                                          expected_decay=0.5, gate=False))
@@ -243,7 +243,7 @@ def test_grammar_batches_size_their_tree_from_their_own_step_costs():
     plain, grammar = ab.lanes[False].controller, ab.lanes[True].controller
     assert plain.costs is not grammar.costs and plain.steps[7] == 8 and grammar.steps[7] == 8
     # sharing one lane (the default): a grammar batch is chosen for as any other
-    shared = adaptive(LiveStepCosts(table))
+    shared = controller(LiveStepCosts(table))
     assert shared.lanes[True] is shared.lanes[False]
 
 

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ddtree_sglang.grammar_masks import Matcher
-from ddtree_sglang.layout import VerifyLayout, sibling_links
+from ddtree_sglang.verify_layout import VerifyLayout, sibling_links
 
 
 def children_lists(parents: Sequence[int]) -> list[list[int]]:

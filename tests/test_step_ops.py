@@ -1,0 +1,94 @@
+import torch
+
+from ddtree_sglang.step_ops import StepCommit, accept_stage, tree_stage
+from ddtree_sglang.verify_layout import VerifyLayout, build_verify_layout
+from ddtree_sglang.draft_tree_builder import build_draft_tree
+
+
+def test_tree_stage_is_build_plus_layout():
+    logits = torch.randn(3, 15, 50)
+    roots, seq = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 0])
+    lay = VerifyLayout(*tree_stage(logits, roots, seq, 20, 15, build_draft_tree))
+    ref = build_verify_layout(build_draft_tree(logits, 20), roots, seq, max_depth=15)
+    assert torch.equal(lay.draft_tokens, ref.draft_tokens)
+    assert torch.equal(lay.ancestors, ref.ancestors) and torch.equal(lay.positions, ref.positions)
+
+
+def test_accept_stage_commit_format():
+    # two requests, N = 6: root 0 -> {1, 2}; 1 -> {3, 4}; 3 -> {5}
+    tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 2)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 2)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 2)
+    choice = torch.tensor([[10, 12, 0, 14, 0, 8],    # whole path 0-1-3-5, bonus 8
+                           [11, 0, 5, 0, 0, 0]])     # 0-2, bonus 5
+    step = StepCommit(*accept_stage(tokens, parents, depths, choice, depth=3, out_width=4))
+    assert step.commit_lens.tolist() == [4, 2] and step.commit_lens.dtype == torch.int32
+    # rows in the flattened [bs * N] verify block, -1 past the end (EAGLE's accept_index)
+    assert step.accept_index.tolist() == [[0, 1, 3, 5], [6, 8, -1, -1]]
+    assert step.accept_index.dtype == torch.int32
+    assert step.feature_rows.tolist() == [[0, 1, 3, 5], [6, 8, 6, 6]]
+    assert step.bonus.tolist() == [8, 5]
+    assert step.tokens.tolist() == [[10, 12, 14, 8], [11, 5, 0, 0]]
+
+
+def test_kv_moves_put_the_accepted_path_at_its_positions():
+    """Slot contents are node ids; after the moves, position j of each request holds the j-th
+    node of its accepted path (root first), whatever order the moves read and write in."""
+    from ddtree_sglang.step_ops import kv_moves
+    from ddtree_sglang.kernels.kv_move import move_rows_reference
+
+    tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 3)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 3)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 3)
+    choice = torch.tensor([[10, 12, 0, 14, 0, 8],   # path 0-1-3-5: slot 3 -> 2 and 5 -> 3
+                           [11, 0, 5, 0, 0, 0],     # path 0-2: slot 2 -> 1
+                           [7, 0, 0, 0, 0, 0]])     # root only
+    step = StepCommit(*accept_stage(tokens, parents, depths, choice, depth=3, out_width=4))
+    n = 6
+    out_cache_loc = torch.tensor([40, 41, 42, 43, 44, 45, 10, 11, 12, 13, 14, 15,
+                                  30, 31, 32, 33, 34, 35])
+    tgt, src = kv_moves(out_cache_loc, step.accept_index, step.commit_lens, n)
+    assert tgt.tolist() == [[40, 41, 42, 43], [10, 11, 12, 13], [30, 31, 32, 33]]
+    assert src.tolist() == [[40, 41, 43, 45], [10, 12, 12, 13], [30, 31, 32, 33]]
+    kv = torch.zeros(50, 2, dtype=torch.long)
+    kv[out_cache_loc, 0] = torch.arange(3 * n) % n  # node id held by each slot
+    move_rows_reference([kv], tgt, src)
+    assert kv[tgt[0], 0].tolist() == [0, 1, 3, 5]
+    assert kv[tgt[1, :2], 0].tolist() == [0, 2] and kv[tgt[2, :1], 0].tolist() == [0]
+
+
+def test_kv_moves_of_a_block_narrower_than_the_commit_width():
+    """A small budget (N = 3 < out_width = 4) commits at most N tokens: N columns move."""
+    from ddtree_sglang.step_ops import kv_moves
+
+    tokens = torch.tensor([[99, 10, 11]])
+    parents, depths = torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]])
+    step = StepCommit(*accept_stage(tokens, parents, depths, torch.tensor([[10, 11, 5]]),
+                                    depth=3, out_width=4))
+    assert step.commit_lens.tolist() == [3]
+    tgt, src = kv_moves(torch.tensor([20, 21, 22]), step.accept_index, step.commit_lens, 3)
+    assert tgt.tolist() == [[20, 21, 22]] and src.tolist() == [[20, 21, 22]]
+
+
+def test_tree_stage_reports_the_candidates_expected_acceptance():
+    from ddtree_sglang.budget import expected_by_depth_per_request
+    from ddtree_sglang.step_ops import unpack_tree_stage
+
+    logits = torch.randn(2, 5, 30)
+    roots, seq = torch.tensor([1, 2]), torch.tensor([4, 9])
+    lay, probs = unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)))
+    tree = build_draft_tree(logits, 12)
+    assert torch.equal(lay.draft_tokens, build_verify_layout(tree, roots, seq, 5).draft_tokens)
+    assert probs.shape == (2, 2, 5)
+    assert torch.allclose(probs, expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
+    assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree))[1] is None
+
+
+def test_commit_slots_of_wide_and_narrow_verifies():
+    from ddtree_sglang.step_ops import commit_slots
+
+    loc = torch.arange(2 * 6) + 100  # two requests, 6 verify slots each
+    assert commit_slots(loc, 2, 6, 4).tolist() == [[100, 101, 102, 103], [106, 107, 108, 109]]
+    # narrower than the commit width: the n real slots, then the last one repeated (unwritten)
+    assert commit_slots(loc, 2, 6, 8).tolist() == [[100, 101, 102, 103, 104, 105, 105, 105],
+                                                   [106, 107, 108, 109, 110, 111, 111, 111]]
