@@ -20,3 +20,12 @@ def node_prefixes(tokens, parents):
 
 def near(a: float, b: float, tol: float = 1e-4) -> bool:
     return math.isclose(a, b, abs_tol=tol)
+
+
+def server_args(**fields):
+    """A stand-in for SGLang's ServerArgs: every field DDTREE reads, None unless given."""
+    from types import SimpleNamespace
+
+    from ddtree_sglang.sglang_plugin.server_args import READ_FIELDS
+
+    return SimpleNamespace(**{**dict.fromkeys(READ_FIELDS), **fields})

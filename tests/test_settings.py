@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import server_args
 
 from ddtree_sglang.sglang_plugin.settings import (BUDGET_TRACE_ENV, KNOBS, MIN_GAIN_ENV,
                                                   DDTreeConfigError, DDTreeSettings, check_env,
@@ -105,8 +106,8 @@ def test_validation_reports_bad_knobs_with_the_other_problems(monkeypatch):
                 speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
     monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "cuda")
     with pytest.raises(DDTreeConfigError, match=re.escape("accepted: auto, torch, triton")):
-        validate(SimpleNamespace(**base, tp_size=2))
+        validate(server_args(**base, tp_size=2))
     monkeypatch.setenv("SGLANG_DDTREE_TREE_KERNEL", "triton")
-    validate(SimpleNamespace(**base))
-    s = settings_from_args(SimpleNamespace(**base))
+    validate(server_args(**base))
+    s = settings_from_args(server_args(**base))
     assert (s.budget, s.block_size, s.tree_kernel) == (32, 16, "triton")

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import server_args
 import torch
 
 sglang = pytest.importorskip("sglang")
@@ -117,7 +118,7 @@ def test_sliding_window_targets_are_refused(tmp_path, cfg, refused):
     from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, validate
 
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    args = SimpleNamespace(device="cuda", speculative_draft_model_path=str(DRAFTER),
+    args = server_args(device="cuda", speculative_draft_model_path=str(DRAFTER),
                            speculative_num_draft_tokens=33, attention_backend="triton",
                            page_size=1, model_path=str(tmp_path))
     if refused is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import server_args
 
 sglang = pytest.importorskip("sglang")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -136,8 +137,8 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
                           (dict(speculative_draft_model_path="/nonexistent"),
                            "neither a local directory nor a Hugging Face repo id")]:
         with pytest.raises(DDTreeConfigError, match=re.escape(needle)):
-            validate(SimpleNamespace(**{**base, **extra}))
-    validate(SimpleNamespace(**base))  # and the base itself is fine
+            validate(server_args(**{**base, **extra}))
+    validate(server_args(**base))  # and the base itself is fine
 
 
 
@@ -454,18 +455,112 @@ def test_contract_covers_overrides_and_copied_source(monkeypatch):
     monkeypatch.setattr(sg.DFlashWorkerV2, "_make_next_draft_input_prefil", renamed,
                         raising=False)
 
-    def prepare_for_decode(self, batch):  # a different body than the one copied
+    def prepare_for_decode(self, batch):  # different bodies than the ones copied
+        return None
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         return None
 
     monkeypatch.setattr(sg.DFlashDraftInputV2, "prepare_for_decode", prepare_for_decode)
+    monkeypatch.setattr(sg.DFlashWorkerV2, "forward_batch_generation", forward_batch_generation)
     problems = contract.contract_violations()
     assert any("methods ['_make_next_draft_input_prefill'] that DDTREE overrides are gone" in p
                for p in problems)
-    copied = next(iter(contract.COPIED))
-    assert any(p.startswith(copied) and "changed since DDTREE copied it" in p
-               and "draft_input.py" in p for p in problems)
+    # each changed parent body is named with the copy to review
+    for method, copy in (("DFlashDraftInputV2.prepare_for_decode", ["draft_input.py"]),
+                         ("DFlashWorkerV2.forward_batch_generation",
+                          ["model_io.py DFlashModelIO.draft_block", "worker.py DDTreeWorker._prefill"])):
+        assert any(method in p and "changed since DDTREE copied it" in p
+                   and all(c in p for c in copy) for p in problems), method
     with pytest.raises(RuntimeError, match="lacks internals"):
         plugin._worker_factory(None)
+
+
+def test_a_renamed_server_argument_is_refused_not_ignored(monkeypatch):
+    """Every ServerArgs field DDTREE reads is in the contract and read without a default: an
+    SGLang whose ServerArgs renamed one (here the field behind the --speculative-adaptive
+    refusal) is refused by the worker factory and by the argument check, naming the field."""
+    import ast
+    import dataclasses
+
+    import sglang.srt.server_args as sa
+
+    from ddtree_sglang.sglang_plugin import contract, plugin, server_args as ddargs
+
+    listed = contract.ATTRIBUTES["sglang.srt.server_args.ServerArgs"]
+    assert set(listed) == set(ddargs.READ_FIELDS) | {"_resolved_overrides"}
+    source = ast.parse((ROOT / "src/ddtree_sglang/sglang_plugin/server_args.py").read_text())
+    literals = {n.args[1].value for n in ast.walk(source) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", None) == "_get" and isinstance(n.args[1], ast.Constant)}
+    assert literals and literals <= set(ddargs.READ_FIELDS)
+
+    renamed = [("speculative_adaptive_mode" if f.name == "speculative_adaptive" else f.name,
+                object, dataclasses.field(default=None)) for f in dataclasses.fields(sa.ServerArgs)]
+    monkeypatch.setattr(sa, "ServerArgs", dataclasses.make_dataclass(
+        "ServerArgs", renamed + [("_resolved_overrides", object, dataclasses.field(default=None))]))
+    assert any("ServerArgs: attributes ['speculative_adaptive'] not found" in p
+               for p in contract.contract_violations())
+    with pytest.raises(RuntimeError, match="speculative_adaptive"):
+        plugin._worker_factory(None)
+    args = server_args(speculative_adaptive=True)
+    del args.speculative_adaptive
+    with pytest.raises(ddargs.DDTreeConfigError, match="no field.s. speculative_adaptive, which DDTREE "
+                                                "reads"):
+        ddargs.validate(args)
+    assert ddargs.backend_to_default(args) is None  # leaves the refusal to validate()
+
+
+def test_ddtree_s_own_worker_attributes_are_never_forwarded_to_the_target():
+    """DFlashWorkerV2 forwards unknown attributes to the target worker; DDTreeWorker's own
+    (ddtree_*) raise instead, so a misspelling fails where it is made."""
+    import ast
+    import inspect
+    import textwrap
+    from types import SimpleNamespace
+
+    from ddtree_sglang.sglang_plugin.worker import DDTreeWorker
+
+    target = SimpleNamespace(ddtree_step="the target's", device="cuda:0")
+    fake = SimpleNamespace(target_worker=target)
+    with pytest.raises(AttributeError, match="'ddtree_stpe'.*not forwarded"):
+        DDTreeWorker.__getattr__(fake, "ddtree_stpe")
+    with pytest.raises(AttributeError, match="ddtree_step"):
+        DDTreeWorker.__getattr__(fake, "ddtree_step")  # even where the target has one
+    assert DDTreeWorker.__getattr__(fake, "device") == "cuda:0"  # SGLang's own still forward
+    tree = ast.parse(textwrap.dedent(inspect.getsource(DDTreeWorker)))
+    written = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id == "self"
+               and isinstance(n.ctx, ast.Store)}
+    from ddtree_sglang.sglang_plugin import contract
+
+    parents = set(contract.ATTRIBUTES["sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"])
+    assert written - parents and all(a.startswith("ddtree_") for a in written - parents)
+
+
+def test_only_patches_writes_sglang_s_objects():
+    """Every plugin module but patches.py only reads the objects SGLang hands it (batch,
+    requests, logits output, results, server arguments): a write anywhere else is an attribute
+    assignment whose object is not the module's own `self`."""
+    import ast
+
+    found = []
+    for f in sorted((ROOT / "src/ddtree_sglang/sglang_plugin").glob("*.py")):
+        if f.name == "patches.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    root = t
+                    while isinstance(root, ast.Attribute):
+                        root = root.value
+                    if isinstance(t, ast.Attribute) and not t.attr.startswith("__") and not (
+                            isinstance(root, ast.Name) and root.id in ("self", "cls")):
+                        found.append(f"{f.name}:{node.lineno} {ast.unparse(t)}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+                found.append(f"{f.name}:{node.lineno} setattr")
+    assert found == []
 
 
 def test_the_package_s_imports_have_no_cycle():

@@ -32,6 +32,8 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("server_args", "gpu_id", "ps", "nccl_port", "target_worker"),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation":
         ("batch", "on_publish", "grammar_barrier"),
+    # the forwarding of unknown attributes to the target worker (DDTreeWorker.__getattr__)
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.__getattr__": ("name",),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc":
         ("target_hidden", "cache_loc", "positions", "cache_loc_2d", "commit_lens"),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._ensure_draft_block_buffers": ("bs",),
@@ -126,12 +128,12 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend": (),
     # per-request, per-step values SGLang copies into each response's meta_info
     "sglang.srt.layers.logits_processor.LogitsProcessorOutput": ("customized_info",),
-    # prefill (startup.DDTreeWorker._prefill): the target pass that also serves input logprobs
+    # prefill (worker.DDTreeWorker._prefill): the target pass that also serves input logprobs
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation":
         ("batch", "forward_batch", "is_verify", "capture_hidden_mode"),
     "sglang.srt.model_executor.forward_batch_info.compute_position":
         ("attn_backend", "extend_prefix_lens", "extend_seq_lens", "extend_seq_lens_sum"),
-    # structured output through the tree (worker.DecodeStep.build_tree, grammar_stage.py)
+    # structured output through the tree (decode_step.DecodeStep.build_tree, grammar_stage.py)
     "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
@@ -141,7 +143,7 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     # native masks and the greedy path walk (grammar_stage.py) work on xgrammar's matcher
     "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar":
         ("matcher", "vocab_size", "ctx", "override_stop_tokens"),
-    # output logprobs of the committed tokens (worker.DecodeStep.add_logprobs)
+    # output logprobs of the committed tokens (decode_step.DecodeStep.add_logprobs)
     "sglang.srt.layers.logprob_processor.get_top_logprobs":
         ("logprobs", "top_logprobs_nums", "no_copy_to_cpu"),
     "sglang.srt.layers.logprob_processor.get_token_ids_logprobs":
@@ -171,19 +173,31 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
 # parent method's source when it was copied, and where the copy lives.  A changed parent stops
 # the server naming the method, so the copy is reviewed instead of drifting silently.
 COPIED: dict[str, tuple[str, str]] = {
+    "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation":
+        ("3d121465b68fda4b", "sglang_plugin/model_io.py DFlashModelIO.draft_block (its block "
+         "draft) and sglang_plugin/worker.py DDTreeWorker._prefill (its prefill)"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode":
         ("b88aafc416effc8f", "sglang_plugin/draft_input.py DDTreeDraftInput.prepare_for_decode"),
 }
 
 # Attributes the plugin reads on instances of these classes (their own or inherited).
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    # patches.declare_server_args declares DDTREE's defaults through SGLang's override pass
-    "sglang.srt.server_args.ServerArgs": ("_resolved_overrides",),
+    # patches.declare_server_args declares DDTREE's defaults through SGLang's override pass;
+    # the fields server_args.py reads (its READ_FIELDS: a test keeps the two lists equal)
+    "sglang.srt.server_args.ServerArgs": (
+        "_resolved_overrides", "device", "model_path", "revision", "download_dir",
+        "speculative_draft_model_path", "speculative_draft_model_revision",
+        "speculative_num_draft_tokens", "speculative_dflash_block_size", "attention_backend",
+        "decode_attention_backend", "prefill_attention_backend", "page_size",
+        "enable_dp_attention", "tp_size", "pp_size", "speculative_draft_window_size",
+        "speculative_use_rejection_sampling", "speculative_adaptive", "enable_lora",
+        "speculative_num_steps", "speculative_eagle_topk", "max_running_requests",
+        "enable_mixed_chunk"),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2":
         ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
          "_mask_token_id", "_draft_block_ids_buf", "_draft_block_positions_buf",
          "_draft_verify_out_cache_loc_buf", "_draft_seq_lens_cpu_buf",
-         # written by startup.DDTreeWorker.__init__ for the parent's methods to read
+         # written by worker.DDTreeWorker.__init__ for the parent's methods to read
          "block_size", "speculative_num_draft_tokens", "_block_pos_offsets",
          "_draft_block_spec_info"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2":
@@ -205,7 +219,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
          "batch_size"),
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo":
         ("is_all_greedy", "temperatures", "top_ks", "top_ps", "min_ps",
-         "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling", "vocab_size"),
+         "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling", "vocab_size",
+         "grammar_mask"),
     "sglang.srt.sampling.sampling_params.SamplingParams":
         ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
          "stop_token_ids", "sampling_seed", "max_new_tokens"),

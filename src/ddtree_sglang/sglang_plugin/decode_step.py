@@ -132,7 +132,7 @@ class DecodeStep:
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
-        batch.seq_lens = batch.seq_lens.clamp(max=self.io.max_step_seq_len())
+        patches.clamp_seq_lens(batch, self.io.max_step_seq_len())
         budget_controller, constrained = self.budget_controller, bool(batch.has_grammar)
         budget = self.settings.budget if budget_controller is None else budget_controller.choose(bs, constrained)
         if budget_controller is not None:
@@ -279,14 +279,13 @@ class DecodeStep:
         row_lp, token_lp = committed_log_probs(logits[:, : self.vocab_size],
                                                step.feature_rows, step.tokens, temperatures)
         width = self.out_width
-        out.next_token_logprobs = token_lp
+        top = token_ids = None
         if batch.top_logprobs_nums and any(k > 0 for k in batch.top_logprobs_nums):
-            out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx = \
-                sg.get_top_logprobs(
-                    row_lp, [k for k in batch.top_logprobs_nums for _ in range(width)],
-                    no_copy_to_cpu=True)
+            top = sg.get_top_logprobs(
+                row_lp, [k for k in batch.top_logprobs_nums for _ in range(width)],
+                no_copy_to_cpu=True)
         if batch.token_ids_logprobs and any(t is not None for t in batch.token_ids_logprobs):
-            out.next_token_token_ids_logprobs_val, out.next_token_token_ids_logprobs_idx = \
-                sg.get_token_ids_logprobs(
-                    row_lp, [t for t in batch.token_ids_logprobs for _ in range(width)],
-                    no_copy_to_cpu=True)
+            token_ids = sg.get_token_ids_logprobs(
+                row_lp, [t for t in batch.token_ids_logprobs for _ in range(width)],
+                no_copy_to_cpu=True)
+        patches.set_output_logprobs(out, token_lp, top, token_ids)

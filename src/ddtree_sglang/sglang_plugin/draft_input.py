@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_sglang.sglang_plugin import sglang_api as sg
+from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 
 
 def max_step_seq_len(req_to_token: torch.Tensor, verify_width: int) -> int:
@@ -64,8 +64,7 @@ class DDTreeDraftInput(sg.DFlashDraftInputV2):
                 num_needed_tokens=needed, batch=batch)
         if caller is not None:
             caller.wait_stream(plan_stream)
-        batch.seq_lens_cpu = committed_cpu
-        batch.seq_lens_sum = committed_sum
+        patches.set_host_seq_lens(batch, committed_cpu, committed_sum)
         self.reserved_seq_lens_cpu = nxt_cpu
         self.reserved_seq_lens_sum = reserved_sum
 

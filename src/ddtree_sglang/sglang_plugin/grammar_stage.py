@@ -32,7 +32,7 @@ from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tr
                                          follow_paths, follow_sampled_paths)
 from ddtree_sglang.grammar_valid_tree import select_layout, select_nodes, valid_nodes
 from ddtree_sglang.verify_layout import VerifyLayout, truncate_layout
-from ddtree_sglang.sglang_plugin import sglang_api as sg
+from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
 THREAD_ABOVE_US = 200.0  # tree masks this costly go to the thread pool
@@ -214,7 +214,7 @@ def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], No
     this step's masks over the tree's host copy, whose transfer started before the verify."""
     if barrier is not None:
         barrier()
-    batch.sampling_info.grammar_mask = None  # else the prefill's leftover mask is applied
+    patches.reset_grammar_mask(batch.sampling_info)
     return build_grammar_step(batch.reqs, grammar_tree.resolve(), width,
                               batch.sampling_info.vocab_size, device, method, costs)
 

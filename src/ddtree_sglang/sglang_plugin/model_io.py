@@ -1,6 +1,6 @@
 """What the decode step asks of the models and of DFLASH's buffers, in one object.
 
-`ModelIO` is the step's view (worker.DecodeStep takes one; tests pass their own);
+`ModelIO` is the step's view (decode_step.DecodeStep takes one; tests pass their own);
 `DFlashModelIO` serves it from a running DFlashWorkerV2: the draft block through DFLASH's
 block buffers, the tree verify through SGLang's EAGLE verify input, the KV move, the features
 appended to the draft KV and the relay state of the next step.  `draft_logits` is the
@@ -15,7 +15,7 @@ import torch
 
 from ddtree_sglang.step_ops import StepCommit, commit_slots, kv_moves, verify_mask
 from ddtree_sglang.kernel_choice import Kernels
-from ddtree_sglang.sglang_plugin import sglang_api as sg
+from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 from ddtree_sglang.sglang_plugin.step_records import StepPlan
 
@@ -84,7 +84,9 @@ class DFlashModelIO:
         return bound, int(bound.sum())
 
     def draft_block(self, batch, draft_input) -> torch.Tensor:
-        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
+        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]: the
+        block draft of DFlashWorkerV2.forward_batch_generation (a copy, guarded by
+        contract.COPIED), stopping before DFLASH's argmax: the tree needs the states."""
         w, bs, block = self.worker, len(batch.seq_lens), self.block_size
         w._ensure_draft_block_buffers(bs)
         width = w._draft_block_ids_buf.shape[1]  # a shape, read on the host
@@ -140,15 +142,10 @@ class DFlashModelIO:
             retrieve_next_sibling=layout.retrieve_next_sibling, retrieve_cum_len=None,
             spec_steps=self.block_size - 1, topk=1, draft_token_num=n,
             capture_hidden_mode=sg.CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
-        batch.spec_info = verify_input
-        saved = batch.seq_lens_cpu, batch.seq_lens_sum
-        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
-        try:
+        with patches.verify_on_batch(batch, verify_input, seq_lens_cpu, seq_lens_sum):
             forward_batch, can_run_graph = sg.eagle_prepare_for_verify(
                 verify_input, self.worker.model_runner.req_to_token_pool, batch,
                 self.worker.target_worker)
-        finally:
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
         out = self.worker.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True)
         return out.logits_output, forward_batch, can_run_graph, batch.out_cache_loc
@@ -185,4 +182,4 @@ class DFlashModelIO:
             target_hidden=feats[step.feature_rows.reshape(-1)],
             cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
             cache_loc_2d=front_loc, commit_lens=step.commit_lens)
-        logits_output.hidden_states = None
+        patches.drop_hidden_states(logits_output)

@@ -1,12 +1,16 @@
-"""What the plugin changes in SGLang's objects, beside the hooks plugin.py registers: the
+"""Every write the plugin makes to SGLang's objects, beside the hooks plugin.py registers: the
 drafter's forward wrapper, the target's verify-attention install, the server-argument
-declarations and the per-width verify runtime.  Everything here reads only names the
-contract (contract.py) lists and checks at startup, through sglang_api.py.
+declarations and fields, the per-width verify runtime, and the per-step fields of the batch,
+the logits output, the step's result and requests.  The rest of the plugin only reads SGLang's
+objects (tests/test_sglang_plugin.py checks it), so a release that changes a convention is
+reviewed here.  Each function names the SGLang convention its write follows.  Everything here
+reads only names the contract (contract.py) lists and checks at startup, through sglang_api.py.
 """
 
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
 from ddtree_sglang.sglang_plugin import sglang_api as sg
 from ddtree_sglang.sglang_plugin.contract import SUPPORTED_SGLANG
@@ -107,3 +111,83 @@ def report_per_request(logits_output, key: str, values: list) -> None:
     if info is None:
         info = logits_output.customized_info = {}
     info[key] = values
+
+
+def set_server_fields(server_args, fields: dict) -> None:
+    """ServerArgs fields settled by the speculative hook's handle_server_args, where SGLang
+    0.5.17 lets an algorithm set what the rest of the server reads (DFLASH sets the same
+    fields for itself there)."""
+    for name, value in fields.items():
+        setattr(server_args, name, value)
+
+
+def clamp_seq_lens(batch, max_len: int) -> None:
+    """ScheduleBatch.seq_lens replaced by a clamped copy: the worker owns the running lengths
+    during its step (DFLASH's worker records its stream and replaces it likewise); SGLang takes
+    the step's lengths back from the result's new_seq_lens."""
+    batch.seq_lens = batch.seq_lens.clamp(max=max_len)
+
+
+def set_host_seq_lens(batch, seq_lens_cpu, seq_lens_sum: int) -> None:
+    """ScheduleBatch.seq_lens_cpu / seq_lens_sum: the host copies of the committed lengths,
+    written after the step's KV is allocated, as DFlashDraftInputV2.prepare_for_decode does."""
+    batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
+
+
+@contextmanager
+def verify_on_batch(batch, verify_input, seq_lens_cpu, seq_lens_sum: int):
+    """EAGLE's verify preparation (eagle_prepare_for_verify) reads its input from
+    batch.spec_info and the host lengths from the batch: spec_info is set and left there, as
+    DFLASH leaves its verify input; the host lengths hold the step's bound for the call and
+    are restored after, also when it fails."""
+    batch.spec_info = verify_input
+    saved = batch.seq_lens_cpu, batch.seq_lens_sum
+    batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
+    try:
+        yield
+    finally:
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+
+
+def drop_hidden_states(logits_output) -> None:
+    """LogitsProcessorOutput.hidden_states dropped once the features are in the draft KV:
+    DFLASH does the same, so that overlap scheduling copies no features to the host."""
+    logits_output.hidden_states = None
+
+
+def set_output_logprobs(out, token_logprobs, top=None, token_ids=None) -> None:
+    """LogitsProcessorOutput's next_token_* logprob fields in the layout SGLang's spec-v2
+    result processing reads ([bs, W] tokens, bs * W rows): the committed tokens' logprobs,
+    and where asked the (values, indices) of the top-k and of requested token ids."""
+    out.next_token_logprobs = token_logprobs
+    if top is not None:
+        out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx = top
+    if token_ids is not None:
+        out.next_token_token_ids_logprobs_val, out.next_token_token_ids_logprobs_idx = token_ids
+
+
+def finish_prefill(result, new_seq_lens, next_draft_input) -> None:
+    """GenerationBatchResult of a prefill: its new lengths and the relay state of the first
+    decode step, which DFLASH's prefill sets on the target's result the same way."""
+    result.new_seq_lens = new_seq_lens
+    result.next_draft_input = next_draft_input
+
+
+@contextmanager
+def logprobs_hidden(req):
+    """Req.return_logprob reads False inside the block and is restored after: DFLASH's request
+    check refuses logprob requests, which DDTREE serves (its other checks still apply)."""
+    wants = req.return_logprob
+    req.return_logprob = False
+    try:
+        yield
+    finally:
+        req.return_logprob = wants
+
+
+def reset_grammar_mask(sampling_info) -> None:
+    """SamplingBatchInfo.grammar_mask cleared at a decode step's start: the prefill leaves its
+    vocabulary mask there, and SGLang's logits adjustment would apply it to every tree node
+    (DDTREE applies its own per-node masks, grammar_stage.py)."""
+    sampling_info.grammar_mask = None
+

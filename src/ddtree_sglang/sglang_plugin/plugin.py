@@ -114,12 +114,10 @@ def _validate_request_hook(original, req, enable_overlap):
     msg = request_error(req)
     if msg is not None:
         return msg
-    wants_logprobs = req.return_logprob
-    req.return_logprob = False
-    try:
+    from ddtree_sglang.sglang_plugin import patches
+
+    with patches.logprobs_hidden(req):
         return original(req, enable_overlap)
-    finally:
-        req.return_logprob = wants_logprobs
 
 
 def _finish_state_hook(original, req, new_accepted_len: int = 1):

@@ -3,8 +3,9 @@
 The tree budget rides on SGLang's existing flag: --speculative-num-draft-tokens = B + 1 (the
 verify width: the root plus B tree nodes).  The draft block size comes from the drafter's
 config (or --speculative-dflash-block-size, which may only shrink it); the tree depth is
-block_size - 1.  Everything here reads plain attributes, so it runs on any object that looks
-like ServerArgs (tests use SimpleNamespace).
+block_size - 1.  Every ServerArgs field read here is named in READ_FIELDS (and in the
+contract's ServerArgs entry) and read without a default: a field SGLang renamed stops startup
+with its name instead of silently switching its refusal off.
 """
 
 from __future__ import annotations
@@ -41,8 +42,35 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
                       "lfm2", "minimax_m1", "plamo2", "zamba2"}
 
 
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
+# Every ServerArgs field DDTREE reads (contract.ATTRIBUTES holds the same names).
+READ_FIELDS = (
+    "device", "model_path", "revision", "download_dir", "speculative_draft_model_path",
+    "speculative_draft_model_revision", "speculative_num_draft_tokens",
+    "speculative_dflash_block_size", "attention_backend", "decode_attention_backend",
+    "prefill_attention_backend", "page_size", "enable_dp_attention", "tp_size", "pp_size",
+    "speculative_draft_window_size", "speculative_use_rejection_sampling",
+    "speculative_adaptive", "enable_lora", "speculative_num_steps", "speculative_eagle_topk",
+    "max_running_requests", "enable_mixed_chunk")
+
+
+def _get(args: Any, name: str) -> Any:
+    """A ServerArgs field, by a name READ_FIELDS lists; no default (require_fields() judged
+    the arguments before anything reads them)."""
+    if name not in READ_FIELDS:
+        raise KeyError(f"server_args.READ_FIELDS lacks {name!r}")
+    return getattr(args, name)
+
+
+def require_fields(args: Any) -> None:
+    """Refuse a ServerArgs without every field of READ_FIELDS (an SGLang that renamed one)."""
+    missing = [f for f in READ_FIELDS if not hasattr(args, f)]
+    if missing:
+        from ddtree_sglang.sglang_plugin.contract import SUPPORTED_SGLANG
+
+        raise DDTreeConfigError(
+            f"DDTREE cannot start: SGLang's server arguments have no field(s) "
+            f"{', '.join(missing)}, which DDTREE reads (renamed in this SGLang?); "
+            f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}")
 
 
 def budget_from_args(args: Any) -> int:
@@ -172,7 +200,9 @@ def tap_error(taps: tuple[int, ...], hf: dict) -> str | None:
 
 def backend_to_default(args: Any) -> str | None:
     """The attention backend DDTREE chooses, or None when the user chose one (then validate()
-    judges it)."""
+    judges it, and refuses arguments without the fields DDTREE reads)."""
+    if any(not hasattr(args, f) for f in READ_FIELDS):
+        return None
     if any(_get(args, f) is not None for f in ("attention_backend", "decode_attention_backend",
                                                 "prefill_attention_backend")):
         return None
@@ -208,6 +238,7 @@ def _drafter_and_budget_errors(args: Any, hf: dict) -> list[str]:
 
 def validate(args: Any) -> None:
     """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
+    require_fields(args)
     errors: list[str] = []
     device = str(_get(args, "device") or "cuda")
     if not device.startswith("cuda"):
@@ -252,23 +283,30 @@ def validate(args: Any) -> None:
 def settings_from_args(args: Any) -> DDTreeSettings:
     """The settings of a server whose arguments passed validate() (the worker's process builds
     them once from the arguments SGLang hands it and its environment)."""
+    require_fields(args)
     return DDTreeSettings.from_values(budget_from_args(args),
                                       block_size_from_args(args, drafter_config(args)))
 
 
 def apply_defaults(args: Any) -> None:
     """Settle the fields the rest of SGLang reads (mirrors what DFLASH sets for itself)."""
+    require_fields(args)
     cfg = drafter_config(args)
     block = block_size_from_args(args, cfg)
     budget = budget_from_args(args)
+    fields = {}
     for flag in ("speculative_num_steps", "speculative_eagle_topk"):
         if _get(args, flag) not in (None, 1):
-            logger.warning("DDTREE ignores --%s %s (uses 1)", flag.replace("_", "-"), _get(args, flag))
-        setattr(args, flag, 1)
-    args.speculative_num_draft_tokens = budget + 1
-    args.speculative_dflash_block_size = block  # read back by DDTreeSpecAlgo for the draft width
+            logger.warning("DDTREE ignores --%s %s (uses 1)", flag.replace("_", "-"),
+                           _get(args, flag))
+        fields[flag] = 1
+    fields["speculative_num_draft_tokens"] = budget + 1
+    fields["speculative_dflash_block_size"] = block  # DDTreeSpecAlgo reads the draft width
     if _get(args, "max_running_requests") is None:
-        args.max_running_requests = 48
+        fields["max_running_requests"] = 48
     if _get(args, "enable_mixed_chunk"):
         logger.warning("DDTREE disables --enable-mixed-chunk")
-        args.enable_mixed_chunk = False
+        fields["enable_mixed_chunk"] = False
+    from ddtree_sglang.sglang_plugin import patches  # SGLang's names: not in validate()'s path
+
+    patches.set_server_fields(args, fields)

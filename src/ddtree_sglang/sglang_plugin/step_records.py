@@ -1,4 +1,4 @@
-"""The records a DDTREE decode step passes from stage to stage (worker.DecodeStep):
+"""The records a DDTREE decode step passes from stage to stage (decode_step.DecodeStep):
 
     plan -> draft -> build tree -> verify -> sample and accept -> commit
 

@@ -5,7 +5,7 @@ the SGLang contract before importing this module), and what it does at startup: 
 choice, the tree-verify attention install, the CUDA-graph capture of the tree and accept
 stages, the batch-aware budget's per-width runtimes.
 Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
-DFlashWorkerV2's.  A decode step is worker.DecodeStep's, built once the KV pools exist
+DFlashWorkerV2's.  A decode step is decode_step.DecodeStep's, built once the KV pools exist
 (init_cuda_graphs); prefill is DFLASH's, run here so that requests with logprobs are served.
 """
 
@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 class DDTreeWorker(sg.DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         # Both are read by init_attention_backends, which the parent's __init__ calls.
-        self.settings = s = settings_from_args(server_args)
+        self.ddtree_settings = s = settings_from_args(server_args)
         started = time.perf_counter()
-        self.kernels = self._choose_kernels(target_worker, gpu_id)
+        self.ddtree_kernels = self._choose_kernels(target_worker, gpu_id)
         checks_s = time.perf_counter() - started
         super().__init__(server_args=server_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
                          target_worker=target_worker)
@@ -54,13 +54,13 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                                                              device=self.device)
         self._draft_block_spec_info = sg.make_draft_block_spec_info(
             draft_token_num=s.block_size, device=self.device)
-        self.vocab_size = int(self.model_runner.model_config.vocab_size)
+        self.ddtree_vocab_size = int(self.model_runner.model_config.vocab_size)
         lm_head = self.target_worker.model_runner.model.lm_head
-        self.stages = GraphedStages(
-            self.kernels, s.budget, s.depth, s.block_size,
-            functools.partial(draft_logits, lm_head, vocab_size=self.vocab_size),
+        self.ddtree_stages = GraphedStages(
+            self.ddtree_kernels, s.budget, s.depth, s.block_size,
+            functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
             tuple(s.budgets), s.cuda_graph_tree)
-        self.step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
+        self.ddtree_step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ, and SGLang's eager path casts them to bfloat16.
         draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
@@ -68,18 +68,27 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
         # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
-        self._tree_graphs_done = self._capture_tree_graphs("before the KV pool")
+        self.ddtree_graphs_done = self._capture_tree_graphs("before the KV pool")
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
                         "drafter weights %s; kernels: %s (startup checks %.1f s)", s.budget,
                         s.verify_width, s.block_size, s.depth, draft_dtype,
-                        self.kernels.describe(), checks_s)
+                        self.ddtree_kernels.describe(), checks_s)
+
+    def __getattr__(self, name: str):
+        """DFlashWorkerV2 forwards every attribute it lacks to the target worker; DDTREE's own
+        (ddtree_*) are never forwarded, so a misspelt or not yet set one raises here instead
+        of reading the target's."""
+        if name.startswith("ddtree_"):
+            raise AttributeError(f"DDTreeWorker has no attribute {name!r} (DDTREE's own "
+                                 "attributes, ddtree_*, are not forwarded to the target worker)")
+        return sg.DFlashWorkerV2.__getattr__(self, name)
 
     def _choose_kernels(self, target_worker, gpu_id: int) -> Kernels:
         """Every kernel of the step checked once on this GPU (kernel_choice.py); the verify
         attention variant is compared here with SGLang's own extend kernel and installed by
         init_attention_backends where the target's backend is triton."""
-        s = self.settings
+        s = self.ddtree_settings
         runner = target_worker.model_runner
         device = torch.device("cuda", gpu_id) if torch.cuda.is_available() else "cpu"
         dtype = runner.model.lm_head.weight.dtype
@@ -100,14 +109,14 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         replaces the triton backend's extend kernel only: the default applies there alone,
         and a variant named for another backend is dropped, with why."""
         super().init_attention_backends()
-        variant = self.kernels.verify_attention
+        variant = self.ddtree_kernels.verify_attention
         backend = self.target_worker.model_runner.attn_backend
         if variant != "single" and not sg.is_triton_attention(backend):
-            dropped = self.kernels.dropped
-            if self.settings.verify_attention_named:
+            dropped = self.ddtree_kernels.dropped
+            if self.ddtree_settings.verify_attention_named:
                 dropped += ((f"{variant} verify attention", f"the target's attention backend "
                              f"is {type(backend).__name__}, not triton"),)
-            self.kernels = replace(self.kernels, verify_attention="single", dropped=dropped)
+            self.ddtree_kernels = replace(self.ddtree_kernels, verify_attention="single", dropped=dropped)
             return
         if variant == "single":
             return
@@ -122,24 +131,24 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         """SGLang's graphs, then the tree stages' (if the batch sizes were unknown before),
         the batch-aware budget's per-width runtimes, and the decode step over them."""
         super().init_cuda_graphs()
-        if not self._tree_graphs_done:
-            self._tree_graphs_done = self._capture_tree_graphs("after the KV pool")
-        s = self.settings
+        if not self.ddtree_graphs_done:
+            self.ddtree_graphs_done = self._capture_tree_graphs("after the KV pool")
+        s = self.ddtree_settings
         budget_controller = self._build_budget_controller() if len(s.budgets) > 1 else None
         clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
         rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
-        io = DFlashModelIO(self, self.kernels, s.block_size, s.verify_width, self.vocab_size)
-        self.step = DecodeStep(s, self.vocab_size, io, self.stages,
-                               PenaltyState(rows, self.vocab_size, self.device), MaskCosts(),
+        io = DFlashModelIO(self, self.ddtree_kernels, s.block_size, s.verify_width, self.ddtree_vocab_size)
+        self.ddtree_step = DecodeStep(s, self.ddtree_vocab_size, io, self.ddtree_stages,
+                               PenaltyState(rows, self.ddtree_vocab_size, self.device), MaskCosts(),
                                budget_controller, clock)
 
     def _build_budget_controller(self) -> GPUBudgetController | None:
-        variant = self.kernels.verify_attention
+        variant = self.ddtree_kernels.verify_attention
 
         def install(backend) -> None:  # the variant the configured width's backend runs
             patches.wrap_verify_attention(backend, VARIANTS[variant])
 
-        s = self.settings
+        s = self.ddtree_settings
         return build_budget_controller(self.target_worker.model_runner, list(s.budgets), s.depth,
                                      self.device, None if variant == "single" else install,
                                      log=self.ps.tp_rank == 0, explore_every=s.explore_every,
@@ -150,7 +159,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         (largest first, so the shared pool is sized once), then freeze them: a batch size
         seen later is padded to a captured one, nothing is captured while serving.
         Returns whether the capture question is settled."""
-        stages, s = self.stages, self.settings
+        stages, s = self.ddtree_stages, self.ddtree_settings
         if not (stages.tree.enabled and torch.cuda.is_available()):
             return True
         decode = sg.decode_graph_config()
@@ -200,7 +209,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         return make_draft_input(bonus_tokens, new_seq_lens)
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
-        step = self.step
+        step = self.ddtree_step
         if step is None:
             raise RuntimeError("DDTREE: a forward pass before init_cuda_graphs built the step")
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
@@ -211,7 +220,8 @@ class DDTreeWorker(sg.DFlashWorkerV2):
     def _prefill(self, step: DecodeStep, batch, on_publish, grammar_barrier):
         """The target's prefill pass, which also samples the first token (and computes input
         and output logprobs when asked), then the prompt's target features into the draft KV:
-        DFLASH's prefill, run here because DFLASH's refuses requests with logprobs.  The
+        DFLASH's prefill (a copy of that part of DFlashWorkerV2.forward_batch_generation,
+        guarded by contract.COPIED), run here because DFLASH's refuses requests with logprobs.  The
         step's state learns of the new requests (penalties) and of the break (budget)."""
         if step.budget_controller is not None:
             step.budget_controller.interrupt()
@@ -220,7 +230,6 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         result = self.target_worker.forward_batch_generation(
             batch, capture_hidden_mode=sg.CaptureHiddenMode.FULL)
         logits_output, first_tokens = result.logits_output, result.next_token_ids
-        result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(batch.seq_lens)
         if logits_output.hidden_states is None:
@@ -234,8 +243,8 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         self._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=logits_output.hidden_states, cache_loc=batch.out_cache_loc,
             positions=positions)
-        logits_output.hidden_states = None  # no host copy of the features under overlap
-        result.next_draft_input = self._make_next_draft_input_prefill(
-            bonus_tokens=first_tokens, seq_lens=batch.seq_lens)
+        patches.drop_hidden_states(logits_output)
+        patches.finish_prefill(result, batch.seq_lens, self._make_next_draft_input_prefill(
+            bonus_tokens=first_tokens, seq_lens=batch.seq_lens))
         step.penalties.on_prefill(batch.reqs, first_tokens)
         return result
