@@ -383,7 +383,7 @@ def test_arm_environment_is_checked_and_reaches_the_server():
     # a fixed-budget arm pins the budget (the server's default is the batch-aware choice)
     assert spec.env == {"SGLANG_DDTREE_VERIFY_ATTENTION": "split", "SGLANG_DDTREE_BUDGETS": "off"}
     for env, message in [({"SGLANG_DDTREE_VERIFY_ATTENTION": "fast"}, "accepted: kernel, single, split"),
-                         ({"FOO": "1"}, "unknown env 'FOO'")]:
+                         ({"FOO": "1"}, "unknown setting 'FOO'")]:
         with pytest.raises(ValueError, match=message):
             Arm(name="x", algorithm="DDTREE", budget=15, env=env)
     with pytest.raises(ValueError, match="DDTREE arms only"):

@@ -116,3 +116,14 @@ def test_demo_runs_with_a_per_step_budget(capsys, monkeypatch):
     assert "DDTree auto 2/8 (mean B" in out
     assert "DDTree output identical to autoregressive greedy: True" in out
     assert "DDTree auto output identical to autoregressive greedy: True" in out
+
+
+def test_the_demo_s_words_are_the_readme_s(capsys):
+    """The demo's help and the committed demo output speak of accept length (the README's
+    term), never of tau or 'acceptance length accept length'."""
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    text = capsys.readouterr().out + (demo.__doc__ or "")
+    assert "accept length" in text and "acceptance length accept length" not in text
+    for f in (ROOT / "benchmarks" / "results").glob("demo_cpu_*.txt"):
+        assert "tau" not in f.read_text(), f.name

@@ -58,7 +58,18 @@ def test_hub_id_from_the_cache_offline(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert re.search(r"revision 'v2' is not in the Hugging Face cache .*HF_HUB_OFFLINE is set.*"
-                     r"hf download z-lab/Qwen3-4B-DFlash-b16", out.stderr), out.stderr[-800:]
+                     r"`hf download z-lab/Qwen3-4B-DFlash-b16 --revision v2`", out.stderr), \
+        out.stderr[-800:]
+
+
+def test_the_fetch_hint_fetches_what_the_server_will_read():
+    """The hint's command names the revision and the cache the server was given, so running
+    it makes the next start find the files."""
+    from ddtree_sglang.model_files import fetch_hint
+
+    assert "`hf download a/b`" in fetch_hint("a/b")
+    assert "`hf download a/b --revision v2 --cache-dir /data/hf`" in fetch_hint("a/b", "v2",
+                                                                                 "/data/hf")
 
 
 def readme_serve_argv() -> list[str]:

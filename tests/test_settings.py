@@ -95,8 +95,24 @@ def test_benchmark_env_checks_names_and_values():
     check_env(MIN_GAIN_ENV, "0.05")
     check_env(BUDGET_TRACE_ENV, "0")
     check_env("SGLANG_DDTREE_EXPLORE_EVERY", "8")
-    with pytest.raises(DDTreeConfigError, match="unknown env.*SGLANG_DDTREE_BUDGET_MIN_GAIN"):
+    with pytest.raises(DDTreeConfigError, match="unknown setting 'SGLANG_DDTREE_BUDGET_MIN_GAINS'"
+                                                "; did you mean SGLANG_DDTREE_BUDGET_MIN_GAIN\\?"):
         check_env("SGLANG_DDTREE_BUDGET_MIN_GAINS", "0.05")
+
+
+def test_a_misspelt_knob_stops_startup_naming_the_nearest_known_one():
+    """SGLANG_DDTREE_BUDGET=off (for BUDGETS) would otherwise be ignored: the settings refuse
+    every SGLANG_DDTREE_* name that is no knob, with the other problems, and leave other
+    variables alone."""
+    with pytest.raises(DDTreeConfigError) as err:
+        DDTreeSettings.from_values(32, 16, {"SGLANG_DDTREE_BUDGET": "off",
+                                            "SGLANG_DDTREE_GRAMMAR": "fast",
+                                            "SGLANG_DDTREE_XYZZY": "1", "SGLANG_OTHER": "1"})
+    msg = str(err.value)
+    assert "unknown setting 'SGLANG_DDTREE_BUDGET'; did you mean SGLANG_DDTREE_BUDGETS?" in msg
+    assert "unknown setting 'SGLANG_DDTREE_XYZZY'; accepted: SGLANG_DDTREE_BUDGETS" in msg
+    assert "SGLANG_DDTREE_GRAMMAR='fast' is not accepted" in msg and "SGLANG_OTHER" not in msg
+    DDTreeSettings.from_values(32, 16, {"SGLANG_OTHER": "1", "SGLANG_DDTREE_BUDGETS": "off"})
 
 
 def test_validation_reports_bad_knobs_with_the_other_problems(monkeypatch):

@@ -4,8 +4,8 @@
     ddtree-demo --budget 64 --prompts 8 --temperature 1.0
     ddtree-demo --auto-budgets 7,15,32   # + DDTree with the budget chosen per step
 
-Runs the pure-PyTorch reference loop (no GPU, no SGLang), prints one table (acceptance length
-accept length, tokens/s, tokens per target forward) and the decoded text of one sample.  Every limit is
+Runs the pure-PyTorch reference loop (no GPU, no SGLang), prints one table (accept length,
+tokens/s, tokens per target forward) and the decoded text of one sample.  Every limit is
 checked before generating: the budget against the tree's distinct prefixes and this machine's
 free memory, the output length against the target's positions.
 """

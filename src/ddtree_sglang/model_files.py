@@ -11,8 +11,15 @@ import re
 from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-FETCH_HINT = ("fetch it ahead of time with `hf download {ref}` (huggingface_hub's CLI), or pass "
-              "a local directory")
+
+
+def fetch_hint(ref: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """How to fetch `ref` into the cache the server reads (the revision and cache it asked for)."""
+    command = f"hf download {ref}" + (f" --revision {revision}" if revision else "") + (
+        f" --cache-dir {cache_dir}" if cache_dir else "")
+    return f"fetch it ahead of time with `{command}` (huggingface_hub's CLI), or pass a local " \
+           "directory"
+
 
 
 class ModelNotFound(ValueError):
@@ -53,7 +60,7 @@ def model_dir(ref: str, revision: str | None = None, cache_dir: str | None = Non
         raise ModelNotFound(
             f"{ref!r} is not a local directory, and its config.json at {where} is not in the "
             f"Hugging Face cache {cache_dir or constants.HF_HUB_CACHE}{offline}; "
-            + FETCH_HINT.format(ref=ref)) from None
+            + fetch_hint(ref, revision, cache_dir)) from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise ModelNotFound(f"{ref!r} at {where}: no such repo or revision on the Hugging Face "
                             f"hub ({type(exc).__name__})") from None
@@ -62,4 +69,4 @@ def model_dir(ref: str, revision: str | None = None, cache_dir: str | None = Non
     except (HfHubHTTPError, OSError) as exc:
         raise ModelNotFound(f"{ref!r}: could not read its config.json from the Hugging Face hub "
                             f"({type(exc).__name__}: {str(exc)[:200]}); "
-                            + FETCH_HINT.format(ref=ref)) from None
+                            + fetch_hint(ref, revision, cache_dir)) from None

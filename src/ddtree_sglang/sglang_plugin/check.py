@@ -7,6 +7,7 @@ Exit 0 with one line naming the versions, or 1 with the reason.
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -17,6 +18,11 @@ def plugin_status() -> tuple[bool, str]:
         sglang_version = version("sglang")
     except PackageNotFoundError:
         return False, "sglang is not installed in this environment (pip install sglang==0.5.17)"
+    allowed = {x.strip() for x in os.environ.get("SGLANG_PLUGINS", "").split(",") if x.strip()}
+    if allowed and "ddtree" not in allowed:
+        return False, (f"SGLANG_PLUGINS={os.environ['SGLANG_PLUGINS']!r} leaves out this plugin "
+                       "(its entry point is named 'ddtree'), so SGLang skips it; add ddtree to "
+                       "SGLANG_PLUGINS or unset it")
     from ddtree_sglang.sglang_plugin import sglang_api as sg
 
     sg.load_plugins()

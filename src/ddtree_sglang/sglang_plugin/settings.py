@@ -141,13 +141,26 @@ _KNOB_LIST = (
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
 
 
+PREFIX = "SGLANG_DDTREE_"
+
+
+def unknown_name_error(name: str) -> str:
+    """The message for a SGLANG_DDTREE_* name that is no knob: the nearest known one first."""
+    import difflib
+
+    tails = {k.removeprefix(PREFIX): k for k in KNOBS}  # the shared prefix says nothing
+    near = difflib.get_close_matches(name.removeprefix(PREFIX), tails, n=1, cutoff=0.6)
+    hint = f"did you mean {tails[near[0]]}? " if near else ""
+    return f"unknown setting {name!r}; {hint}accepted: {', '.join(sorted(KNOBS))}"
+
+
 def check_env(name: str, value: str) -> None:
     """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
     DDTREE knob setting (a benchmark arm's env: the budget list is checked against 1..1023,
     the server checks it against its B)."""
     knob = KNOBS.get(name)
     if knob is None:
-        raise DDTreeConfigError(f"unknown env {name!r}; accepted: {', '.join(sorted(KNOBS))}")
+        raise DDTreeConfigError(unknown_name_error(name))
     knob.parse(value)
 
 
@@ -184,9 +197,11 @@ class DDTreeSettings:
     def from_values(cls, budget: int, block_size: int,
                     environ: Mapping[str, str] | None = None) -> "DDTreeSettings":
         """The settings for a budget and block, with the knobs of `environ` (default: this
-        process's environment); raises DDTreeConfigError listing every bad knob."""
+        process's environment); raises DDTreeConfigError listing every bad knob and every
+        SGLANG_DDTREE_* name that is none (a misspelt knob would otherwise be ignored)."""
         env = os.environ if environ is None else environ
-        errors: list[str] = []
+        errors: list[str] = [unknown_name_error(name) for name in sorted(env)
+                             if name.startswith(PREFIX) and name not in KNOBS]
         values: dict[str, Any] = {}
         for knob in _KNOB_LIST:
             raw = env.get(knob.name, knob.default)
