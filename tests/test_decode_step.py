@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("sglang")
 
-from ddtree_sglang.step_ops import StepCommit, accept_stage, tree_stage  # noqa: E402
+from ddtree_sglang.step_ops import (StepCommit, accept_stage, tree_stage,  # noqa: E402
+                                   unpack_tree_stage)
 from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
-from ddtree_sglang.verify_layout import VerifyLayout  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg, decode_step as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts, Walks  # noqa: E402
@@ -44,16 +44,17 @@ class FakeIO:
         self.calls.append(("draft", draft_input))
         return torch.randn(len(batch.seq_lens), BLOCK, H)
 
-    def target_verify(self, batch, draft_input, layout):
+    def target_verify(self, batch, draft_input, layout, mask_positions=None):
         self.calls.append(("verify", (self.target_runner.attn_backend,
                                       self.target_runner.decode_cuda_graph_runner)))
-        return self.verify_out, "verify batch", True, "slots"
+        slots = "slots" if layout is None else 100 + torch.arange(layout.draft_tokens.numel())
+        return self.verify_out, "verify batch", True, slots
 
-    def move_accepted_kv(self, batch, out_cache_loc, step, n):
-        self.calls.append(("move", out_cache_loc, n))
+    def move_accepted_kv(self, batch, step, slots):
+        self.calls.append(("move", slots.kv_target))
 
-    def append_committed_features(self, out_cache_loc, seq_lens, plan, logits_output, step):
-        self.calls.append(("features", out_cache_loc))
+    def append_committed_features(self, logits_output, step, slots):
+        self.calls.append(("features", slots.draft_slots))
 
     def next_draft_input(self, bonus_tokens, seq_lens):
         return make_draft_input(bonus_tokens, seq_lens)
@@ -122,9 +123,12 @@ def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
     hidden = torch.randn(2, BLOCK, H)
     tree = w.build_tree(batch, plan_of(batch, 5), hidden)
     logits = hidden[:, 1:] @ LM_HEAD.weight.T
-    full = VerifyLayout(*tree_stage(logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3,
-                                    build_draft_tree))
+    full, positions, _ = unpack_tree_stage(tree_stage(
+        logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3, build_draft_tree), (B + 1,))
     assert tree.layout.tree_parents.shape == (2, 6) and tree.grammar_tree is None
+    assert tree.mask_positions is None  # width 6 is no stage width of a pinned B = 8
+    assert torch.equal(w.build_tree(batch, plan_of(batch), hidden).mask_positions,
+                       positions[B + 1])
     assert torch.equal(tree.layout.draft_tokens.view(2, 6),
                        full.draft_tokens.view(2, B + 1)[:, :6])
     assert tree.depth_probs is None  # a pinned budget gathers no statistics
@@ -195,8 +199,8 @@ def test_sample_and_accept_masks_every_node_before_choosing():
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
     verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
-                        can_run_graph=True,
-                        grammar=GrammarStep(mask=EvenTokens()))
+                        can_run_graph=True, grammar=GrammarStep(mask=EvenTokens()),
+                        out_cache_loc=torch.arange(2 * (B + 1)))
     acc = w.sample_and_accept(batch, plan, tree, verified)
     assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar
     masked = logits.clone()
@@ -217,7 +221,7 @@ def test_sample_and_accept_without_a_grammar_is_the_plain_argmax():
     plan = plan_of(batch)
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V)
-    verified = Verified(None, logits.clone(), None, True, None)
+    verified = Verified(None, logits.clone(), None, True, None, torch.arange(2 * (B + 1)))
     assert torch.equal(w.sample_and_accept(batch, plan, tree, verified).choice,
                        logits.argmax(-1).view(2, B + 1))
 
@@ -277,12 +281,14 @@ def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V)
     out = SimpleNamespace(next_token_logits=logits, hidden_states=None, customized_info=None)
-    verified = Verified(out, logits, "fb", True, None, out_cache_loc="slots")
+    verify_slots = 100 + torch.arange(2 * (B + 1))
+    verified = Verified(out, logits, "fb", True, None, out_cache_loc=verify_slots)
     acc = w.sample_and_accept(batch, plan, tree, verified)
     published = []
     result = w.commit(batch, plan, tree, verified, acc, published.append)
     step = acc.commit
-    assert w.io.calls == [("move", "slots", B + 1), ("features", "slots")]
+    assert w.io.calls == [("move", acc.slots.kv_target), ("features", acc.slots.draft_slots)]
+    assert acc.slots.kv_target[:, 0].tolist() == [100, 100 + B + 1]  # each request's own slots
     assert torch.equal(result.accept_lens, step.commit_lens)
     assert torch.equal(result.next_token_ids, step.tokens.reshape(-1))
     assert torch.equal(published[0], batch.seq_lens + step.commit_lens)
@@ -389,7 +395,7 @@ def test_a_sampled_walk_masks_only_its_path_and_commits_what_full_masks_commit()
                     lay.retrieve_next_sibling[0].tolist(),
                     lay.draft_tokens.view(2, n)[0].tolist())
     step = GrammarStep(mask=None, sampled=Walks((0,), (walk,), ("r",)))
-    verified = Verified(None, logits.clone(), None, True, step)
+    verified = Verified(None, logits.clone(), None, True, step, torch.arange(2 * n))
     acc = w.sample_and_accept(batch, plan, tree, verified)
     full = logits.clone()
     full[:n, 1::2] = float("-inf")  # request 0 masked at every node

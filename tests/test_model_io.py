@@ -69,22 +69,30 @@ def test_target_verify_hands_sglang_the_tree_and_restores_the_host_lengths(monke
     assert calls == [("forward", "verify batch", True)]
 
 
-def test_committed_features_go_to_chain_positions_from_the_committed_length():
+def test_committed_features_go_to_their_chain_slots_and_positions():
+    """The draft-KV append writes each committed token's target features at the slot and
+    chain position the walk's commit stage computed, then drops the output's copy."""
+    from ddtree_sglang.step_ops import accept_stage, commit_stage, unpack_commit_stage
+
     calls = []
     io = model_io.DFlashModelIO(fake_worker(calls), Kernels(), BLOCK, B + 1, V)
-    feats = torch.randn(2 * (B + 1), 3)
+    lay, n = layout(), B + 1
+    choice = lay.draft_tokens.view(2, n).roll(-1, 1)  # any choices
+    verify_slots = torch.arange(100, 100 + 2 * n).view(2, n)
+    step, slots = unpack_commit_stage(commit_stage(
+        accept_stage, lay.draft_tokens.view(2, n), lay.tree_parents, lay.tree_depths, choice,
+        verify_slots, torch.tensor([7, 9]), BLOCK - 1, BLOCK))
+    feats = torch.randn(2 * n, 3)
     out = SimpleNamespace(hidden_states=feats)
-    rows = torch.tensor([[0, 2, 0, 0], [6, 7, 9, 0]])
-    step = SimpleNamespace(feature_rows=rows, commit_lens=torch.tensor([2, 3]))
-    slots = torch.arange(100, 100 + 2 * (B + 1))
-    io.append_committed_features(slots, torch.tensor([7, 9]), StepPlan(2, B), out, step)
+    io.append_committed_features(out, step, slots)
     kw = calls[0][1]
-    assert torch.equal(kw["target_hidden"], feats[rows.reshape(-1)])
+    assert torch.equal(kw["target_hidden"], feats[step.feature_rows.reshape(-1)])
     assert kw["positions"].view(2, BLOCK).tolist() == [[7, 8, 9, 10], [9, 10, 11, 12]]
-    assert kw["cache_loc_2d"].shape == (2, BLOCK) and kw["cache_loc_2d"][1, 0] == 106
+    assert kw["cache_loc_2d"].shape == (2, BLOCK) and kw["cache_loc_2d"][1, 0] == 100 + n
+    assert torch.equal(kw["commit_lens"], step.commit_lens)
     assert out.hidden_states is None  # no host copy of the features under overlap
     with pytest.raises(RuntimeError, match="hidden states"):
-        io.append_committed_features(slots, torch.tensor([7, 9]), StepPlan(2, B), out, step)
+        io.append_committed_features(out, step, slots)
 
 
 def test_the_step_bound_and_the_relay_state():

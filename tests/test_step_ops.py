@@ -1,15 +1,19 @@
 import torch
 
-from ddtree_sglang.step_ops import StepCommit, accept_stage, tree_stage
-from ddtree_sglang.verify_layout import VerifyLayout, build_verify_layout
+from ddtree_sglang.step_ops import StepCommit, accept_stage, tree_stage, unpack_tree_stage
+from ddtree_sglang.verify_layout import build_verify_layout, full_mask
 from ddtree_sglang.draft_tree_builder import build_draft_tree
 
 
 def test_tree_stage_is_build_plus_layout():
     logits = torch.randn(3, 15, 50)
     roots, seq = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 0])
-    lay = VerifyLayout(*tree_stage(logits, roots, seq, 20, 15, build_draft_tree))
+    lay, positions, probs = unpack_tree_stage(tree_stage(logits, roots, seq, 20, 15,
+                                                         build_draft_tree), (21,))
     ref = build_verify_layout(build_draft_tree(logits, 20), roots, seq, max_depth=15)
+    assert probs is None and list(positions) == [21]
+    assert torch.equal(full_mask(lay.ancestors, seq, 13, positions[21]),
+                       full_mask(ref.ancestors, seq, 13))
     assert torch.equal(lay.draft_tokens, ref.draft_tokens)
     assert torch.equal(lay.ancestors, ref.ancestors) and torch.equal(lay.positions, ref.positions)
 
@@ -29,6 +33,28 @@ def test_accept_stage_commit_format():
     assert step.feature_rows.tolist() == [[0, 1, 3, 5], [6, 8, 6, 6]]
     assert step.bonus.tolist() == [8, 5]
     assert step.tokens.tolist() == [[10, 12, 14, 8], [11, 5, 0, 0]]
+
+
+def test_commit_stage_is_the_walk_plus_the_commit_s_slots():
+    """commit_stage computes, with the walk, what the commit used to compute after it: the KV
+    moves, the draft-KV slots and chain positions, the new lengths."""
+    from ddtree_sglang.step_ops import commit_slots, commit_stage, kv_moves, unpack_commit_stage
+
+    tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 2)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 2)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 2)
+    choice = torch.tensor([[10, 12, 0, 14, 0, 8], [11, 0, 5, 0, 0, 0]])
+    loc = torch.arange(100, 112).view(2, 6)
+    seq = torch.tensor([7, 20])
+    step, slots = unpack_commit_stage(commit_stage(accept_stage, tokens, parents, depths, choice,
+                                                   loc, seq, 3, 4))
+    ref = StepCommit(*accept_stage(tokens, parents, depths, choice, depth=3, out_width=4))
+    assert all(torch.equal(a, b) for a, b in zip(vars(step).values(), vars(ref).values()))
+    tgt, src = kv_moves(loc.reshape(-1), ref.accept_index, ref.commit_lens, 6)
+    assert torch.equal(slots.kv_target, tgt) and torch.equal(slots.kv_source, src)
+    assert torch.equal(slots.draft_slots, commit_slots(loc.reshape(-1), 2, 6, 4))
+    assert slots.draft_positions.tolist() == [[7, 8, 9, 10], [20, 21, 22, 23]]
+    assert slots.new_seq_lens.tolist() == [11, 22] and slots.new_seq_lens.dtype == seq.dtype
 
 
 def test_kv_moves_put_the_accepted_path_at_its_positions():
@@ -70,18 +96,31 @@ def test_kv_moves_of_a_block_narrower_than_the_commit_width():
     assert tgt.tolist() == [[20, 21, 22]] and src.tolist() == [[20, 21, 22]]
 
 
-def test_tree_stage_reports_the_candidates_expected_acceptance():
+def test_tree_stage_reports_the_candidates_expected_acceptance_and_mask_positions():
+    """With candidate budgets the tree stage also gives their expected acceptance, and the
+    verify mask's positions of every candidate width: a mask built from them equals the one
+    full_mask builds on the host, for the tree cut to that width."""
     from ddtree_sglang.budget import expected_by_depth_per_request
-    from ddtree_sglang.step_ops import unpack_tree_stage
+    from ddtree_sglang.step_ops import stage_widths
+    from ddtree_sglang.verify_layout import truncate_layout
 
     logits = torch.randn(2, 5, 30)
     roots, seq = torch.tensor([1, 2]), torch.tensor([4, 9])
-    lay, probs = unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)))
+    widths = stage_widths(12, (3, 12))
+    assert widths == (4, 13)
+    lay, positions, probs = unpack_tree_stage(
+        tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)), widths)
     tree = build_draft_tree(logits, 12)
     assert torch.equal(lay.draft_tokens, build_verify_layout(tree, roots, seq, 5).draft_tokens)
     assert probs.shape == (2, 2, 5)
     assert torch.allclose(probs, expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
-    assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree))[1] is None
+    for w in widths:
+        cut = truncate_layout(lay, w)
+        assert torch.equal(full_mask(cut.ancestors, seq, 20, positions[w]),
+                           full_mask(cut.ancestors, seq, 20))
+    assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree),
+                             (13,))[2] is None
+    assert stage_widths(200, (63, 200)) == (64,)  # wide verifies place their mask on the host
 
 
 def test_commit_slots_of_wide_and_narrow_verifies():

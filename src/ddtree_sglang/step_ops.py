@@ -2,11 +2,13 @@
 this module (plus `graphed`, `sampling`, `logprobs` and `kernel_choice`):
 
 * the two fixed-shape stages it replays from CUDA graphs: drafter logits -> tree + verify
-  layout (`tree_stage`), and target choices -> acceptance in the form a KV-cache commit needs
-  (`accept_stage`, or the Triton twin kernel_choice.Kernels picks);
-* the tree attention mask in SGLang's FULL_MASK format (`verify_mask`), the per-node penalties
-  (`penalise_nodes`), and the KV moves that put the accepted path at its committed positions
-  (`kv_moves`, `commit_slots`).
+  layout (`tree_stage`), and target choices -> acceptance (`accept_stage`, or the Triton twin
+  kernel_choice.Kernels picks) with everything the commit computes from it (`commit_stage`:
+  the KV moves that put the accepted path at its committed positions, `kv_moves`, the
+  draft-KV slots and positions, `commit_slots`, the new lengths), so the commit issues no
+  tensor op of its own;
+* the tree attention mask in SGLang's FULL_MASK format (`verify_mask`) and the per-node
+  penalties (`penalise_nodes`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import torch
 from ddtree_sglang.acceptance import accept_tree, committed_tokens
 from ddtree_sglang.budget import expected_by_depth_per_request
 from ddtree_sglang.draft_tree import DraftTree
-from ddtree_sglang.verify_layout import VerifyLayout, build_verify_layout, truncate_layout
+from ddtree_sglang.verify_layout import (VerifyLayout, build_verify_layout, mask_positions,
+                                         truncate_layout)
 from ddtree_sglang.verify_layout import full_mask as verify_mask
 from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 
-__all__ = ["StepCommit", "VerifyLayout", "accept_stage", "commit_slots", "kv_moves",
-           "penalise_nodes", "tree_stage", "truncate_layout", "unpack_tree_stage",
-           "verify_mask"]
+__all__ = ["CommitSlots", "StepCommit", "VerifyLayout", "accept_stage", "commit_slots",
+           "commit_stage", "kv_moves", "penalise_nodes", "stage_widths", "tree_stage", "truncate_layout",
+           "unpack_commit_stage", "unpack_tree_stage", "verify_mask"]
 
 # (draft logits [bs, L, V], budget) -> the B-best trees (kernel_choice.Kernels.build_tree)
 Builder = Callable[[torch.Tensor, int], DraftTree]
@@ -40,27 +43,43 @@ def penalise_nodes(logits: torch.Tensor, counts: torch.Tensor, out_len: torch.Te
     apply_tree_penalties(logits, counts, out_len, params, paths, depths)
 
 
+# Verify widths up to this get their mask positions from the tree stage (bs * N * N int64
+# each: 0.56 MB at N = 33, bs = 64); wider ones are placed on the host per step.
+MASK_POSITIONS_MAX_WIDTH = 128
+
+
+def stage_widths(budget: int, candidate_budgets: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The verify widths whose mask positions the tree stage computes, ascending."""
+    return tuple(w for w in sorted({budget + 1, *(c + 1 for c in candidate_budgets)})
+                 if w <= MASK_POSITIONS_MAX_WIDTH)
+
+
 def tree_stage(draft_logits: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
                budget: int, depth: int, builder: Builder,
                candidate_budgets: tuple[int, ...] = ()) -> tuple:
-    """[bs, L, V] drafter logits -> the VerifyLayout fields, as a flat tuple (graph outputs).
-
-    With `candidate_budgets` (each <= budget) one more output follows: [bs, K, depth] the
-    drafter's expected acceptance per depth of the tree cut to each candidate budget
-    (budget.expected_by_depth_per_request), which the batch-aware budget choice reads."""
+    """[bs, L, V] drafter logits -> a flat tuple (graph outputs): the VerifyLayout fields, the
+    verify mask's positions of every width of stage_widths (verify_layout.mask_positions), and
+    with `candidate_budgets` (each <= budget) [bs, K, depth] the drafter's expected acceptance
+    per depth of the tree cut to each candidate budget (budget.expected_by_depth_per_request),
+    which the batch-aware budget choice reads.  unpack_tree_stage reads it back."""
     tree = builder(draft_logits, budget)
     lay = build_verify_layout(tree, roots, seq_lens, max_depth=depth)
     out = tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+    out += tuple(mask_positions(seq_lens, w) for w in stage_widths(budget, candidate_budgets))
     if candidate_budgets:
         out += (expected_by_depth_per_request(tree.scores, tree.depths, list(candidate_budgets),
                                               depth),)
     return out
 
 
-def unpack_tree_stage(out: tuple) -> tuple[VerifyLayout, torch.Tensor | None]:
-    """tree_stage's outputs -> (its VerifyLayout, the candidates' expected acceptance or None)."""
+def unpack_tree_stage(out: tuple, widths: tuple[int, ...]) -> tuple[
+        VerifyLayout, dict[int, torch.Tensor], torch.Tensor | None]:
+    """tree_stage's outputs -> (its VerifyLayout, the mask positions by verify width of
+    `widths` (stage_widths), the candidates' expected acceptance or None)."""
     n = len(fields(VerifyLayout))
-    return VerifyLayout(*out[:n]), (out[n] if len(out) > n else None)
+    positions = dict(zip(widths, out[n:n + len(widths)]))
+    rest = out[n + len(widths):]
+    return VerifyLayout(*out[:n]), positions, (rest[0] if rest else None)
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,46 @@ def accept_stage(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
     out_tokens = committed_tokens(tokens, acc)[:, :out_width].clamp(min=0)
     return (acc.accept_len.to(torch.int32), accept_index.to(torch.int32),
             path.clamp(min=0) + rows, acc.bonus, out_tokens)
+
+
+@dataclass(frozen=True)
+class CommitSlots:
+    """Where one step's committed tokens go, computed with the walk (commit_stage).
+
+    kv_target, kv_source [bs, min(N, out_width)]: the KV rows that put each accepted path at
+        its committed positions (kv_moves).
+    draft_slots [bs, out_width]: the KV slots of committed positions seq_len + j
+        (commit_slots); draft_positions [bs, out_width]: those positions, where the committed
+        tokens' target features enter the draft KV.
+    new_seq_lens [bs]: the lengths after the commit.
+    """
+
+    kv_target: torch.Tensor
+    kv_source: torch.Tensor
+    draft_slots: torch.Tensor
+    draft_positions: torch.Tensor
+    new_seq_lens: torch.Tensor
+
+
+def commit_stage(accept: Callable[..., tuple], tokens: torch.Tensor, parents: torch.Tensor,
+                 depths: torch.Tensor, choice: torch.Tensor, out_cache_loc: torch.Tensor,
+                 seq_lens: torch.Tensor, depth: int, out_width: int) -> tuple:
+    """The walk (`accept`: accept_stage or its Triton twin) and what the commit needs from it,
+    in one fixed-shape stage (CUDA-graphed): StepCommit's fields, then CommitSlots'.
+    out_cache_loc [bs, N]: the verify's KV slots; seq_lens [bs]: the committed lengths."""
+    walk = tuple(accept(tokens, parents, depths, choice, depth, out_width))
+    bs, n = tokens.shape
+    flat = out_cache_loc.reshape(-1)
+    target, source = kv_moves(flat, walk[1], walk[0], n)
+    positions = seq_lens.view(bs, 1).to(torch.int64) + torch.arange(out_width,
+                                                                    device=seq_lens.device)
+    return (*walk, target, source, commit_slots(flat, bs, n, out_width), positions,
+            seq_lens + walk[0].to(seq_lens.dtype))
+
+
+def unpack_commit_stage(out: tuple) -> tuple[StepCommit, CommitSlots]:
+    n = len(fields(StepCommit))
+    return StepCommit(*out[:n]), CommitSlots(*out[n:])
 
 
 def kv_moves(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,

@@ -144,20 +144,32 @@ def truncate_layout(layout: VerifyLayout, width: int) -> VerifyLayout:
     )
 
 
-def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int) -> torch.Tensor:
+def mask_positions(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[bs, width, width] int64: where each request's ancestor block lands in full_mask's flat
+    buffer (request r's block is width rows of seq_len + width, the tree block at the end of
+    each row), from the device-side lengths alone: fixed shapes, so the tree stage computes it
+    inside its CUDA graph and the verify's mask costs two ops on the host."""
+    bs = seq_lens.shape[0]
+    seq = seq_lens.long()
+    row = seq + width  # row length of each request's block
+    starts = torch.cumsum(width * row, 0) - width * row
+    r = torch.arange(width, device=seq_lens.device)
+    return (starts.view(bs, 1, 1) + r.view(1, width, 1) * row.view(bs, 1, 1)
+            + seq.view(bs, 1, 1) + r.view(1, 1, width))
+
+
+def full_mask(ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """SGLang FULL_MASK: per request N x (seq_len + N), prefix visible, tree block = ancestors.
 
     `seq_lens_sum` sizes the buffer on the host without a sync; it may be an upper bound on
     sum(seq_lens) (the tail past the real blocks is never read).  Block offsets come from the
-    device-side seq_lens, as the attention backends compute them.
+    device-side seq_lens, as the attention backends compute them: `positions`
+    (mask_positions(seq_lens, N), e.g. from the tree stage), else computed here.
     """
     bs, n, _ = ancestors.shape
-    device = ancestors.device
-    mask = torch.ones(seq_lens_sum * n + bs * n * n, dtype=torch.bool, device=device)
-    width = seq_lens.long() + n  # row length of each request's block
-    starts = torch.cumsum(n * width, 0) - n * width
-    rows = torch.arange(n, device=device)
-    idx = (starts.view(bs, 1, 1) + rows.view(1, n, 1) * width.view(bs, 1, 1)
-           + seq_lens.long().view(bs, 1, 1) + rows.view(1, 1, n))
-    mask[idx.reshape(-1)] = ancestors.reshape(-1)
+    mask = torch.ones(seq_lens_sum * n + bs * n * n, dtype=torch.bool, device=ancestors.device)
+    if positions is None:
+        positions = mask_positions(seq_lens, n)
+    mask[positions.reshape(-1)] = ancestors.reshape(-1)
     return mask

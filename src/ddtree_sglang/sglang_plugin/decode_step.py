@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.step_ops import StepCommit, penalise_nodes, truncate_layout, \
-    unpack_tree_stage
+from ddtree_sglang.step_ops import (StepCommit, penalise_nodes, truncate_layout,
+                                   unpack_commit_stage, unpack_tree_stage)
 from ddtree_sglang.logprobs import committed_log_probs
 from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
@@ -78,6 +78,8 @@ def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
                     seeds: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """[bs * n] the target's choice at every node of [bs * n, V] logits."""
+    if sampling_info is None or sampling_info.is_all_greedy:  # no per-row settings to gather
+        return logits.argmax(dim=-1)
     req_index = torch.arange(logits.shape[0] // n, device=logits.device).repeat_interleave(n)
     return sample_for_requests(logits, sampling_info, req_index, seeds, positions)
 
@@ -176,8 +178,9 @@ class DecodeStep:
         grammars hold the previous step's tokens: `grammar_barrier`); with a grammar in the
         batch, the host copy of the tree that the bitmask needs starts here, before the
         verify."""
-        layout, depth_probs = unpack_tree_stage(self.stages.tree(
-            hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long()))
+        layout, positions, depth_probs = unpack_tree_stage(self.stages.tree(
+            hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long()),
+            self.stages.widths)
         if batch.has_grammar and self.settings.grammar_tree == "valid":
             if grammar_barrier is not None:
                 grammar_barrier()
@@ -190,14 +193,15 @@ class DecodeStep:
                 retrieve_next_token=layout.retrieve_next_token,
                 retrieve_next_sibling=layout.retrieve_next_sibling,
                 draft_token=layout.draft_tokens.view(plan.bs, plan.width))
-        return DraftedTree(layout=layout, depth_probs=depth_probs, grammar_tree=grammar_tree)
+        return DraftedTree(layout=layout, depth_probs=depth_probs, grammar_tree=grammar_tree,
+                           mask_positions=positions.get(plan.width))
 
     def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
         """The target's pass over every tree node (through the runtime the pipeline set, see
         verify_runtime), and the grammar's part of the step, built on the host while that
         pass runs."""
         logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
-            batch, plan.draft_input, tree.layout)
+            batch, plan.draft_input, tree.layout, tree.mask_positions)
         grammar = None
         if tree.grammar_tree is not None:
             grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
@@ -239,23 +243,24 @@ class DecodeStep:
 
         choice = sampled_grammar_choices(grammar, logits, choice, n, self.vocab_size, sample,
                                          self.mask_costs)
-        commit = StepCommit(*self.stages.accept(lay.draft_tokens.view(bs, n), lay.tree_parents,
-                                                lay.tree_depths, choice))
-        return Accepted(choice=choice, commit=commit, penalties=penalties, logits=logits)
+        commit, slots = unpack_commit_stage(self.stages.accept(
+            lay.draft_tokens.view(bs, n), lay.tree_parents, lay.tree_depths, choice,
+            verified.out_cache_loc.view(bs, n), batch.seq_lens))
+        return Accepted(choice=choice, commit=commit, slots=slots, penalties=penalties,
+                        logits=logits)
 
     def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
                accepted: Accepted, on_publish):
         """The accepted path's KV to its committed positions, its target features into the
         draft KV, the committed tokens' logprobs; the step's result."""
-        step = accepted.commit
+        step, slots = accepted.commit, accepted.slots
         if accepted.penalties is not None:
             self.penalties.commit(batch.req_pool_indices, step.tokens, step.commit_lens)
-        new_seq_lens = batch.seq_lens + step.commit_lens.to(batch.seq_lens.dtype)
-        self.io.move_accepted_kv(batch, verified.out_cache_loc, step, plan.width)
+        new_seq_lens = slots.new_seq_lens
+        self.io.move_accepted_kv(batch, step, slots)
         if on_publish is not None:
             on_publish(new_seq_lens)
-        self.io.append_committed_features(verified.out_cache_loc, batch.seq_lens, plan,
-                                          verified.logits_output, step)
+        self.io.append_committed_features(verified.logits_output, step, slots)
         if batch.return_logprob:
             self.add_logprobs(batch, verified.logits_output, accepted.logits, step)
         return sg.GenerationBatchResult(

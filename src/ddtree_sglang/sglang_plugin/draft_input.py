@@ -69,11 +69,27 @@ class DDTreeDraftInput(sg.DFlashDraftInputV2):
         self.reserved_seq_lens_sum = reserved_sum
 
 
+_EMPTY: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _empty_fields(bs: int, device) -> tuple[torch.Tensor, ...]:
+    """DFLASH's unused relay fields (topk_p, topk_index, hidden_states), [bs, 0] each: no data,
+    so one set per batch size and device serves every step."""
+    key = (bs, str(device))
+    if key not in _EMPTY:
+        _EMPTY[key] = (torch.empty((bs, 0), device=device, dtype=torch.float32),
+                       torch.empty((bs, 0), device=device, dtype=torch.int64),
+                       torch.empty((bs, 0), device=device, dtype=torch.float16))
+    return _EMPTY[key]
+
+
+def _int64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 else x.to(torch.int64)
+
+
 def make_draft_input(bonus_tokens: torch.Tensor, new_seq_lens: torch.Tensor) -> DDTreeDraftInput:
-    bs, device = int(new_seq_lens.numel()), bonus_tokens.device
-    return DDTreeDraftInput(
-        topk_p=torch.empty((bs, 0), device=device, dtype=torch.float32),
-        topk_index=torch.empty((bs, 0), device=device, dtype=torch.int64),
-        bonus_tokens=bonus_tokens.to(dtype=torch.int64),
-        new_seq_lens=new_seq_lens.to(dtype=torch.int64),
-        hidden_states=torch.empty((bs, 0), device=device, dtype=torch.float16))
+    """The relay state of the next step (its bonus tokens and lengths)."""
+    topk_p, topk_index, hidden = _empty_fields(int(new_seq_lens.numel()), bonus_tokens.device)
+    return DDTreeDraftInput(topk_p=topk_p, topk_index=topk_index,
+                            bonus_tokens=_int64(bonus_tokens), new_seq_lens=_int64(new_seq_lens),
+                            hidden_states=hidden)

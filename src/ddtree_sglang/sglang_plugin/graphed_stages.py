@@ -8,13 +8,14 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.step_ops import tree_stage
+from ddtree_sglang.step_ops import commit_stage, stage_widths, tree_stage
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.kernel_choice import Kernels
 
 
 class GraphedStages:
-    """`tree(draft_hidden, roots, seq_lens)` and `accept(tokens, parents, depths, choice)`.
+    """`tree(draft_hidden, roots, seq_lens)` and `accept(tokens, parents, depths, choice,
+    out_cache_loc, seq_lens)` (the walk and the commit's slots: step_ops.commit_stage).
 
     draft_logits: [bs, L, H] drafter states -> [bs, L, V] logits (the target's lm_head);
     budgets: the batch-aware budget's candidate widths (the tree stage also computes their
@@ -26,6 +27,7 @@ class GraphedStages:
         self.kernels, self.budget, self.depth, self.out_width = kernels, budget, depth, out_width
         self.draft_logits = draft_logits
         self.candidates = tuple(budgets) if len(budgets) > 1 else ()
+        self.widths = stage_widths(budget, self.candidates)  # mask positions computed for these
         self.tree = GraphedFunction(self._tree, "DDTREE tree stage", graphed)
         self.accept = GraphedFunction(self._accept, "DDTREE accept stage", graphed)
 
@@ -34,10 +36,10 @@ class GraphedStages:
         return tree_stage(self.draft_logits(draft_hidden), roots, seq_lens, self.budget,
                           self.depth, self.kernels.build_tree, self.candidates)
 
-    def _accept(self, tokens, parents, depths, choice) -> tuple:
-        """Target choices -> StepCommit fields (fixed shapes; CUDA-graphed)."""
-        return self.kernels.accept_stage(tokens, parents, depths, choice, self.depth,
-                                         self.out_width)
+    def _accept(self, tokens, parents, depths, choice, out_cache_loc, seq_lens) -> tuple:
+        """Target choices -> StepCommit and CommitSlots fields (fixed shapes; CUDA-graphed)."""
+        return commit_stage(self.kernels.accept_stage, tokens, parents, depths, choice,
+                            out_cache_loc, seq_lens, self.depth, self.out_width)
 
     def disable_graphs(self) -> None:
         self.tree.enabled = self.accept.enabled = False

@@ -13,11 +13,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ddtree_sglang.step_ops import StepCommit, commit_slots, kv_moves, verify_mask
+from ddtree_sglang.step_ops import CommitSlots, StepCommit, verify_mask
 from ddtree_sglang.kernel_choice import Kernels
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
-from ddtree_sglang.sglang_plugin.step_records import StepPlan
 
 
 def draft_logits(lm_head, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -35,14 +34,13 @@ class ModelIO(Protocol):
 
     def draft_block(self, batch, draft_input) -> torch.Tensor: ...
 
-    def target_verify(self, batch, draft_input,
-                      layout) -> tuple[Any, Any, bool, torch.Tensor]: ...
+    def target_verify(self, batch, draft_input, layout,
+                      mask_positions=None) -> tuple[Any, Any, bool, torch.Tensor]: ...
 
-    def move_accepted_kv(self, batch, out_cache_loc: torch.Tensor, step: StepCommit,
-                         n: int) -> None: ...
+    def move_accepted_kv(self, batch, step: StepCommit, slots: CommitSlots) -> None: ...
 
-    def append_committed_features(self, out_cache_loc: torch.Tensor, seq_lens: torch.Tensor,
-                                  plan: StepPlan, logits_output, step: StepCommit) -> None: ...
+    def append_committed_features(self, logits_output, step: StepCommit,
+                                  slots: CommitSlots) -> None: ...
 
     def next_draft_input(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor): ...
 
@@ -121,11 +119,12 @@ class DFlashModelIO:
             raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states")
         return hidden.view(bs, block, -1)
 
-    def target_verify(self, batch, draft_input,
-                      layout) -> tuple[Any, Any, bool, torch.Tensor]:
+    def target_verify(self, batch, draft_input, layout,
+                      mask_positions=None) -> tuple[Any, Any, bool, torch.Tensor]:
         """The target's TARGET_VERIFY pass over the tree layout through SGLang's EAGLE verify
         input (its CUDA graph where one fits) -> (logits output, forward batch, graphed, the
-        tree tokens' KV slots).
+        tree tokens' KV slots); `mask_positions`: the tree stage's placement of the ancestor
+        blocks in the flat mask (else computed here).
 
         SGLang's verify preparation works on the batch, as it does for DFLASH: it reads the
         verify input from batch.spec_info (set here, and left there as DFLASH leaves it) and
@@ -134,7 +133,7 @@ class DFlashModelIO:
         n = layout.num_tokens_per_req  # this step's width (the bound: the widest step)
         seq_lens_cpu, seq_lens_sum = self.host_seq_lens_bound(batch, draft_input,
                                                               self.verify_width)
-        mask = verify_mask(layout.ancestors, batch.seq_lens, seq_lens_sum)
+        mask = verify_mask(layout.ancestors, batch.seq_lens, seq_lens_sum, mask_positions)
         verify_input = sg.EagleVerifyInput(
             draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,
             retrieve_index=layout.retrieve_index,
@@ -150,8 +149,7 @@ class DFlashModelIO:
             batch=None, forward_batch=forward_batch, is_verify=True)
         return out.logits_output, forward_batch, can_run_graph, batch.out_cache_loc
 
-    def move_accepted_kv(self, batch, out_cache_loc: torch.Tensor, step: StepCommit,
-                         n: int) -> None:
+    def move_accepted_kv(self, batch, step: StepCommit, slots: CommitSlots) -> None:
         """Accepted path's K/V -> the committed positions: one launch that moves only what
         is not in place (kernels/kv_move.py), or SGLang's generic move where the kernel was
         dropped or the pool's layout is one it does not address."""
@@ -164,22 +162,19 @@ class DFlashModelIO:
                                                     step.commit_lens - 1, allocator)
             return
         data_ptrs, row_bytes, max_row_bytes = self._kv_move_buffers
-        tgt, src = kv_moves(out_cache_loc, step.accept_index, step.commit_lens, n)
-        self.kernels.move_kv_rows(data_ptrs, row_bytes, max_row_bytes, tgt, src)
+        self.kernels.move_kv_rows(data_ptrs, row_bytes, max_row_bytes, slots.kv_target,
+                                  slots.kv_source)
 
-    def append_committed_features(self, out_cache_loc: torch.Tensor, seq_lens: torch.Tensor,
-                                  plan: StepPlan, logits_output, step: StepCommit) -> None:
-        """The committed tokens' target hidden states -> the draft KV at chain positions from
-        `seq_lens` (the output's copy is dropped after: no host copy under overlap)."""
+    def append_committed_features(self, logits_output, step: StepCommit,
+                                  slots: CommitSlots) -> None:
+        """The committed tokens' target hidden states -> the draft KV at their chain positions
+        (slots: computed with the walk; the output's copy is dropped after: no host copy under
+        overlap)."""
         feats = logits_output.hidden_states
         if feats is None:
             raise RuntimeError("DDTREE verify needs the target's captured hidden states")
-        out_width = self.block_size
-        front_loc = commit_slots(out_cache_loc, plan.bs, plan.width, out_width)
-        chain_pos = seq_lens.view(plan.bs, 1).to(torch.int64) + torch.arange(
-            out_width, device=self.device)
         self.worker._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=feats[step.feature_rows.reshape(-1)],
-            cache_loc=front_loc.reshape(-1), positions=chain_pos.reshape(-1),
-            cache_loc_2d=front_loc, commit_lens=step.commit_lens)
+            cache_loc=slots.draft_slots.reshape(-1), positions=slots.draft_positions.reshape(-1),
+            cache_loc_2d=slots.draft_slots, commit_lens=step.commit_lens)
         patches.drop_hidden_states(logits_output)

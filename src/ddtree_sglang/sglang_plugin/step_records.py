@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ddtree_sglang.step_ops import StepCommit, VerifyLayout
+from ddtree_sglang.step_ops import CommitSlots, StepCommit, VerifyLayout
 from ddtree_sglang.penalties import PenaltyParams
 
 
@@ -42,11 +42,15 @@ class DraftedTree:
         depth (the batch-aware budget's statistics), None when the budget is pinned.
     grammar_tree: SGLang's GrammarTree of the layout (first child / next sibling / tokens),
         its host copy started before the verify launch; None when no request has a grammar.
+    mask_positions [bs, n, n]: where the layout's ancestor blocks go in the verify's flat
+        mask (verify_layout.mask_positions, from the tree stage), None where the stage did not
+        compute this width's.
     """
 
     layout: VerifyLayout
     depth_probs: torch.Tensor | None
     grammar_tree: Any | None
+    mask_positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,12 @@ class Verified:
 @dataclass(frozen=True)
 class Accepted:
     """The sample-and-accept stage's output: the target's choice at every node [bs, n], what
-    the step commits, the batch's penalty settings (None: no request uses any) and the node
+    the step commits and where it goes (computed with the walk), the batch's penalty settings (None: no request uses any) and the node
     logits as the choice saw them [bs * n, V] (grammar mask, penalties, logit bias applied;
     the committed tokens' logprobs are read off them)."""
 
     choice: torch.Tensor
     commit: StepCommit
+    slots: CommitSlots
     penalties: PenaltyParams | None
     logits: torch.Tensor

@@ -179,12 +179,14 @@ class DDTreeWorker(sg.DFlashWorkerV2):
 
         try:
             for bs in sizes:
-                lay, _ = unpack_tree_stage(stages.tree(zeros(bs, s.depth, hidden, dtype=dtype),
-                                                       zeros(bs), zeros(bs) + 1))
+                lay, _, _ = unpack_tree_stage(stages.tree(
+                    zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs), zeros(bs) + 1),
+                    stages.widths)
                 for budget in s.budgets:  # one acceptance graph per verify width
                     cut = truncate_layout(lay, budget + 1)
                     stages.accept(cut.draft_tokens.view(bs, budget + 1), cut.tree_parents,
-                                  cut.tree_depths, zeros(bs, budget + 1))
+                                  cut.tree_depths, zeros(bs, budget + 1),
+                                  zeros(bs, budget + 1), zeros(bs) + 1)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
             logger.warning("DDTREE: startup capture of the tree stage failed (%s); it runs "
