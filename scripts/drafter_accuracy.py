@@ -29,9 +29,14 @@ def main() -> None:
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="stdlib")
     ap.add_argument("--seqs", type=positive_int, default=128, help="continuations per side")
     ap.add_argument("--files", type=positive_int, default=200, help="files per side to cut prompts from")
+    ap.add_argument("--seq-len", type=positive_int, default=tt.SEQ,
+                    help=f"prompt (64 tokens) plus continuation (default {tt.SEQ}, as trained)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.seq_len < 96:
+        ap.error(f"--seq-len must be at least 96 (a 64-token prompt and two blocks); "
+                 f"got {args.seq_len}")
     require_cuda(args.device)
     for need in ("target/config.json", "drafter/config.json"):
         if not (args.testbed / need).is_file():
@@ -52,7 +57,7 @@ def main() -> None:
                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None))
     for side, files in (("train_files", train_files), ("held_out_files", held_files)):
         tokens = tt.encode_files(tok, files[: args.files])
-        seqs = tt.target_continuations(model, tokens, args.seqs, 64, tt.SEQ - 64, args.device,
+        seqs = tt.target_continuations(model, tokens, args.seqs, 64, args.seq_len - 64, args.device,
                                        batch=64, seed=9)
         acc = drafter_accuracy(model, drafter, seqs, args.device)
         res[side] = [round(a, 3) for a in acc]

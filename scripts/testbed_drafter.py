@@ -12,6 +12,12 @@ import torch
 import torch.nn.functional as F
 
 
+def mixed_precision(device_type: str):
+    """bfloat16 autocast on a GPU (how the testbed was trained); none on the CPU, where bfloat16
+    matrix products are emulated and a smoke run's single step took half a minute."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda")
+
+
 def log(*a) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
@@ -42,7 +48,7 @@ def drafter_batch(model, cfg, x: torch.Tensor, blocks: int, gen: torch.Generator
     (anchors at anchor_min..t-17); with `soft`, also the target's logits for each label."""
     b, t = x.shape
     dev, block, mask_id = x.device, cfg.block_size, cfg.mask_token_id
-    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+    with torch.no_grad(), mixed_precision(dev.type):
         feats, tlogits = tapped_features(model, x, cfg.target_layer_ids)
     anchors = torch.stack([torch.randperm(t - block - anchor_min, generator=gen)[:blocks] + anchor_min
                            for _ in range(b)]).to(dev)  # [b, nb], a >= 1 so context is non-empty
@@ -75,7 +81,7 @@ def drafter_accuracy(model, drafter, seqs: torch.Tensor, dev) -> list[float]:
     for i in range(0, seqs.shape[0], 32):
         feats, emb, positions, mask, labels, _ = drafter_batch(model, cfg, seqs[i:i + 32].to(dev),
                                                                8, gen)
-        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16):
+        with mixed_precision(torch.device(dev).type):
             h = drafter(feats, emb, positions, mask)
             h = h.view(h.shape[0], -1, cfg.block_size, cfg.hidden_size)[:, :, 1:]
             pred = model.get_output_embeddings()(h).argmax(-1)
@@ -109,7 +115,7 @@ def train_drafter(model, drafter, seqs: torch.Tensor, seconds: float, dev,
         x = seqs[idx].to(dev)
         feats, emb, positions, mask, labels, soft = drafter_batch(
             model, cfg, x, 16, gen, anchor_min, soft_weight > 0)
-        with torch.autocast(dev_type, dtype=torch.bfloat16):
+        with mixed_precision(dev_type):
             h = drafter(feats, emb, positions, mask)
             b = h.shape[0]
             h = h.view(b, -1, block, cfg.hidden_size)[:, :, 1:]

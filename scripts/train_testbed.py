@@ -52,8 +52,8 @@ from ddtree_sglang.cli import (Parser, finite_float, index_list, non_negative_fl
 from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
 from ddtree_sglang.reference.drafter import DFlashDrafter
-from testbed_drafter import (drafter_accuracy, log, lr_at, optimizer_step,  # scripts/ is on
-                             train_drafter)                                 # sys.path as a script
+from testbed_drafter import (drafter_accuracy, log, lr_at,  # scripts/ is on sys.path as a script
+                             mixed_precision, optimizer_step, train_drafter)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -164,7 +164,7 @@ def train_target(model, tokens: torch.Tensor, seconds: float, dev) -> None:
         for grp in opt.param_groups:
             grp["lr"] = lr_at(el, seconds, 3e-3)
         x = next(it).to(dev, non_blocking=True)
-        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+        with mixed_precision(DEV_TYPE):
             logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().view(-1, VOCAB), x[:, 1:].reshape(-1))
         optimizer_step(opt, loss, model)
@@ -182,7 +182,7 @@ def eval_loss(model, tokens: torch.Tensor, dev) -> float:
     tot = 0.0
     for _ in range(8):
         x = next(it).to(dev)
-        with torch.autocast(DEV_TYPE, dtype=torch.bfloat16):
+        with mixed_precision(DEV_TYPE):
             logits = model(input_ids=x[:, :-1]).logits
         tot += F.cross_entropy(logits.float().view(-1, VOCAB), x[:, 1:].reshape(-1)).item()
     return tot / 8
@@ -229,7 +229,7 @@ def write_prompts(held: list[Path], out: Path, n_plain: int = 24, n_chat: int = 
 
 
 def main() -> None:
-    global DEV_TYPE, TAPS, LAYERS, DRAFT_LAYERS
+    global DEV_TYPE, TAPS, LAYERS, DRAFT_LAYERS, SEQ
     ap = Parser(prog="train_testbed", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/testbed_work"))
@@ -270,9 +270,17 @@ def main() -> None:
     ap.add_argument("--tokenize-only", action="store_true",
                     help="stop after the tokenizer and the token cache (to share them between runs)")
     ap.add_argument("--max-files", type=non_negative_int, default=0, help="limit the corpus (smoke tests)")
+    ap.add_argument("--seq-len", type=positive_int, default=SEQ,
+                    help=f"training sequence length, continuations included (v1-v3: {SEQ}; "
+                         "smoke tests: shorter)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     TAPS, LAYERS, DRAFT_LAYERS = tuple(args.taps), args.target_layers, args.draft_layers
+    if args.seq_len < 64:
+        ap.error(f"--seq-len must be at least 64 (a 16-token prompt and room for 16 blocks); "
+                 f"got {args.seq_len}")
+    SEQ = args.seq_len
+    prompt_len = min(64, SEQ // 4)
     if args.init_from:
         try:
             tcfg = json.loads((args.init_from / "target" / "config.json").read_text())
@@ -345,7 +353,7 @@ def main() -> None:
     if data.exists():
         seqs = torch.load(data)
     else:
-        seqs = target_continuations(model, tokens, args.gen_seqs, 64, SEQ - 64, dev,
+        seqs = target_continuations(model, tokens, args.gen_seqs, prompt_len, SEQ - prompt_len, dev,
                                     args.gen_batch, sampled_every=args.sampled_every)[:, :SEQ]
         if args.real_seqs:
             gen = torch.Generator().manual_seed(5)
@@ -353,7 +361,8 @@ def main() -> None:
             seqs = torch.cat([seqs, torch.stack([tokens[s:s + SEQ] for s in starts.tolist()])])
         torch.save(seqs, data)
     log(f"drafter data: {tuple(seqs.shape)}")
-    held_seqs = target_continuations(model, held_tokens, args.held_seqs, 64, SEQ - 64, dev,
+    held_seqs = target_continuations(model, held_tokens, args.held_seqs, prompt_len,
+                                     SEQ - prompt_len, dev,
                                      args.gen_batch, seed=9)
 
     dckpt = args.work / "drafter"
@@ -379,7 +388,8 @@ def main() -> None:
             log(f"drafter stage: {seconds:.0f} s (--drafter-seconds {args.drafter_seconds:.0f})")
         val = None
         if args.keep_best:  # training files, other offsets: never the held-out files
-            val = target_continuations(model, tokens, args.held_seqs, 64, SEQ - 64, dev,
+            val = target_continuations(model, tokens, args.held_seqs, prompt_len, SEQ - prompt_len,
+                                       dev,
                                        args.gen_batch, seed=13, sampled_every=0)
         train_drafter(model, drafter, seqs, seconds, dev, args.drafter_batch, held_seqs,
                       args.drafter_lr, args.anchor_min, args.soft_weight, val)

@@ -11,9 +11,11 @@ from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 from ddtree_sglang.draft_tree import torch_top_log_probs as top_log_probs
 from ddtree_sglang.draft_tree_builder import build_draft_tree
 
-# (batch, depth, vocab, budget)
+# (batch, depth, vocab, budget); budgets of 64 and more (the interpreter's slow cases) run
+# random logits only: ties are covered at the small budgets, where they are as likely
 CASES = [(1, 3, 5, 6), (2, 6, 40, 16), (2, 5, 8, 12), (1, 1, 9, 4), (3, 4, 300, 8),
-         (1, 3, 200, 128), (1, 2, 40, 256), (2, 5, 20, 64)]
+         (1, 3, 200, 128), (1, 2, 40, 256), (1, 5, 20, 64)]
+WIDE = 64
 
 
 def reference_beams(logits: torch.Tensor, budget: int) -> tuple[list, int]:
@@ -61,15 +63,21 @@ def main() -> None:
     runs = 0
     for bs, depth, vocab, budget in CASES:
         g = torch.Generator().manual_seed(bs * 100 + budget)
-        for logits in (torch.randn(bs, depth, vocab, generator=g) * 3,
-                       (torch.randn(bs, depth, vocab, generator=g)).round(),  # many ties
-                       torch.zeros(bs, depth, vocab)):  # all ties
+        kinds = (torch.randn(bs, depth, vocab, generator=g) * 3,
+                 (torch.randn(bs, depth, vocab, generator=g)).round(),  # many ties
+                 torch.zeros(bs, depth, vocab))  # all ties
+        for logits in kinds[:1] if budget >= WIDE else kinds:
             same_tree(logits, budget)
             runs += 1
     g = torch.Generator().manual_seed(0)
+    near = [(torch.randn(4, 5, vocab, generator=g) * 1e-6, budget)  # near ties
+            for vocab, budget in [(3, 8), (3, 5), (4, 9)] * 2]
+    # the kernel runs (slowly, interpreted) on the first and on those whose winners the
+    # reference finds outside the first candidate pass (found by the reference alone)
+    picked = [case for i, case in enumerate(near) if i == 0 or reference_beams(*case)[1]]
     misses = 0
-    for vocab, budget in [(3, 8), (3, 5), (4, 9)] * 4:
-        misses += same_tree(torch.randn(4, 5, vocab, generator=g) * 1e-6, budget)  # near ties
+    for logits, budget in picked:
+        misses += same_tree(logits, budget)
         runs += 1
     assert misses > 0, "the near-tie cases no longer reach the kernel's second pass"
     print("KERNEL OK", runs)
