@@ -29,6 +29,8 @@ from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.sampling import SamplingParams, target_choice
 from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree, truncate_tree
+from ddtree_sglang.grammar_forcing import force_draft_logits
+from ddtree_sglang.reference.constrained import ConstrainedRequest
 
 Mode = Literal["ar", "chain", "ddtree"]
 
@@ -110,11 +112,13 @@ class ReferenceSpeculator:
     def generate(self, prompt: list[int], max_new_tokens: int, mode: Mode = "ddtree",
                  budget: int | BudgetController = 32,
                  sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0, penalties: RequestPenalties = RequestPenalties()
-                 ) -> GenerationResult:
+                 seed: int = 0, penalties: RequestPenalties = RequestPenalties(),
+                 grammar: ConstrainedRequest | None = None) -> GenerationResult:
         """`seed` seeds this call's generator; `sampling.seed` (if set) instead makes every
         draw a function of (seed, position), identical across modes and budgets.  `budget` is
-        a fixed B or a BudgetController that picks B per step (and learns from acceptance)."""
+        a fixed B or a BudgetController that picks B per step (and learns from acceptance).
+        `grammar`: a constrained request (every choice under its mask; it ends when the
+        grammar does)."""
         if mode not in ("ar", "chain", "ddtree"):
             raise ValueError(f"mode must be one of ar, chain, ddtree; got {mode!r}")
         if not prompt:
@@ -131,20 +135,25 @@ class ReferenceSpeculator:
         ids = torch.tensor(prompt, device=self.device)
         logits, feats = self._causal(ids)
         out = [self._choose(logits[-1:], ids.new_tensor([len(prompt) - 1]), state, sampling,
-                            gen)]
+                            gen, grammar)]
+        if grammar is not None:
+            grammar.commit(out)
         state.extend(out)
         result = GenerationResult(tokens=out)
-        while len(out) < max_new_tokens and out[-1] not in self.eos:
+        while len(out) < max_new_tokens and out[-1] not in self.eos and not (
+                grammar is not None and grammar.done):
             if mode == "ar":
                 ids = torch.cat([ids, ids.new_tensor(out[-1:])])
                 logits, _ = self._causal(ids)
                 new = [self._choose(logits[-1:], ids.new_tensor([len(ids) - 1]), state,
-                                    sampling, gen)]
+                                    sampling, gen, grammar)]
             else:
                 ids, feats, new, nodes = self._spec_step(ids, feats, out[-1], mode, budget,
-                                                         sampling, gen, state)
+                                                         sampling, gen, state, grammar)
                 if mode == "ddtree":
                     result.budgets.append(nodes)
+            if grammar is not None:
+                new = new[:grammar.commit(new)]
             out.extend(new)
             state.extend(new)
             result.accept_lens.append(len(new))
@@ -154,19 +163,26 @@ class ReferenceSpeculator:
         return result
 
     def _choose(self, logits: torch.Tensor, positions: torch.Tensor, state: "_History",
-                sampling: SamplingParams, gen: torch.Generator) -> int:
+                sampling: SamplingParams, gen: torch.Generator,
+                grammar: ConstrainedRequest | None = None) -> int:
         """The target's token after one position (AR and the prefill): a one-node tree."""
         zeros = positions.new_zeros((1, 1))
         logits = state.penalise(logits[None], torch.full((1, 1, 0), -1), zeros)
+        if grammar is not None:
+            logits = logits.masked_fill(~grammar.allowed_next(logits.device)[None], float("-inf"))
         return int(target_choice(logits, [sampling], gen, positions.view(1, 1))[0, 0])
 
     def _spec_step(self, ids: torch.Tensor, feats: torch.Tensor, bonus: int, mode: Mode,
                    budget: int | BudgetController, sampling: SamplingParams,
-                   gen: torch.Generator, state: "_History"):
+                   gen: torch.Generator, state: "_History",
+                   grammar: ConstrainedRequest | None = None):
         """ids: committed tokens before the bonus (features known for all of them).  Returns
         the new ids and features, the emitted tokens and the number of tree nodes verified."""
         start = ids.shape[0]
         dl = self.draft_logits(feats, bonus)
+        spine = grammar.spine(self.cfg.draft_depth) if grammar is not None else []
+        if spine:
+            dl = force_draft_logits(dl, grammar.forced(spine, self.cfg.draft_depth).to(dl.device))
         depth_probs = None
         if mode == "chain":
             tree = chain_tree(dl)
@@ -186,10 +202,16 @@ class ReferenceSpeculator:
         paths = path_tokens(tokens2d, layout.tree_parents, layout.tree_depths,
                             self.cfg.draft_depth)
         node_logits = state.penalise(logits[None, start:], paths, layout.tree_depths)
+        if grammar is not None:
+            allowed = grammar.node_masks(layout.retrieve_next_token[0],
+                                         layout.retrieve_next_sibling[0], layout.draft_tokens)
+            node_logits = node_logits.masked_fill(~allowed[None], float("-inf"))
         choice = target_choice(node_logits, [sampling], gen, layout.positions.view(1, n))
         acc = accept_tree(tokens2d, layout.tree_parents, layout.tree_depths, choice,
                           max_depth=self.cfg.draft_depth)
         k = int(acc.accept_len[0])
+        if grammar is not None:
+            grammar.stats.record(spine, k - 1)
         if depth_probs is not None:
             budget.observe(1, tree.budget, depth_probs, acc.accept_len - 1)
         emitted = committed_tokens(tokens2d, acc)[0, :k].tolist()

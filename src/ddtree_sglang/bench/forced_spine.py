@@ -1,0 +1,110 @@
+"""The forced spine (grammar_forcing.py) end to end on the CPU: the reference loop on the testbed
+pair with a grammar, the same requests with and without the spine, against plain masked
+autoregressive decoding.
+
+For each grammar kind and budget: committed tokens per verify step (the accept length), the
+spine's tokens proposed and accepted, how often the target refused a spine's first token (a
+tokenization it would not emit), whether every output equals masked AR greedy, and for sampled
+requests the accept length with and without the spine.  `spine_cost` times the spine's host
+work per step along a kind's sample output with any vocabulary (the real 131k one in
+benchmarks/forced_spine.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from ddtree_sglang.bench.grammars import KINDS
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def testbed_grammars(pair, kinds: list[str]) -> tuple[Callable[[str], object], int]:
+    """(kind -> a fresh xgrammar matcher for the testbed tokenizer, vocabulary size)."""
+    import xgrammar as xgr
+
+    tok = pair.tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiler = xgr.GrammarCompiler(info)
+    compiled = {k: compile_kind(compiler, k) for k in kinds}
+    return (lambda k: xgr.GrammarMatcher(compiled[k])), info.vocab_size
+
+
+def compile_kind(compiler, name: str):
+    kind = KINDS[name]
+    if kind.param == "json_schema":
+        return compiler.compile_json_schema(kind.value, any_whitespace=False)
+    if kind.param == "regex":
+        return compiler.compile_regex(kind.value)
+    return compiler.compile_grammar(kind.value)
+
+
+def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
+             max_new_tokens: int, temperature: float = 0.0) -> dict:
+    """Every prompt with and without the spine (and masked AR when greedy)."""
+    from ddtree_sglang.reference.constrained import ConstrainedRequest
+    from ddtree_sglang.sampling import SamplingParams
+
+    spec = pair.speculator
+    encode = lambda s: pair.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    sampling = SamplingParams(temperature=temperature, seed=7 if temperature else None)
+    row: dict = dict(kind=kind, budget=budget, temperature=temperature)
+    outs: dict = {}
+    for force in (False, True):
+        steps = committed = 0
+        stats = None
+        tokens = []
+        for p in pair.prompts[:prompts]:
+            req = ConstrainedRequest(matcher_of(kind), vocab, encode, force=force)
+            res = spec.generate(pair.encode(p), max_new_tokens, mode="ddtree", budget=budget,
+                                sampling=sampling, grammar=req)
+            steps += len(res.accept_lens)
+            committed += sum(res.accept_lens)
+            tokens.append(res.tokens)
+            if force:
+                stats = req.stats if stats is None else _add(stats, req.stats)
+        key = "forced" if force else "plain"
+        row[f"accept_{key}"] = round(committed / max(steps, 1), 3)
+        outs[key] = tokens
+        if force and stats is not None:
+            row.update(spine_steps=stats.steps, spine_proposed=stats.proposed,
+                       spine_accepted=stats.accepted, spine_refused_first=stats.refused_first)
+    row["gain"] = round(row["accept_forced"] / row["accept_plain"], 3)
+    if temperature == 0:
+        ar = [spec.generate(pair.encode(p), max_new_tokens, mode="ar",
+                            grammar=ConstrainedRequest(matcher_of(kind), vocab)).tokens
+              for p in pair.prompts[:prompts]]
+        row["equal_to_masked_ar"] = outs["plain"] == ar and outs["forced"] == ar
+    else:  # seeded draws are a function of (seed, position): the same output either way
+        row["forced_equals_unforced"] = outs["plain"] == outs["forced"]
+    return row
+
+
+def _add(a, b):
+    from ddtree_sglang.grammar_forcing import SpineStats
+
+    return SpineStats(a.steps + b.steps, a.proposed + b.proposed, a.accepted + b.accepted,
+                      a.refused_first + b.refused_first)
+
+
+def spine_cost(matcher, sample: list[int], encode: Callable[[str], list[int]],
+               depth: int = 15) -> dict:
+    """Host µs per decode step of the spine (forced_tokens from the committed state) along a
+    sample output, one step per token position, and the share of steps with a spine."""
+    from ddtree_sglang.grammar_forcing import forced_tokens
+
+    times, lengths = [], []
+    for token in sample:
+        t0 = time.perf_counter()
+        spine = forced_tokens(matcher, encode, depth)
+        times.append((time.perf_counter() - t0) * 1e6)
+        lengths.append(len(spine))
+        if not matcher.accept_token(token):
+            break
+    with_spine = [n for n in lengths if n]
+    return dict(us_median=round(statistics.median(times), 1), us_max=round(max(times), 1),
+                steps=len(times), with_spine=round(len(with_spine) / len(times), 3),
+                spine_len=round(statistics.mean(with_spine), 2) if with_spine else 0.0)
