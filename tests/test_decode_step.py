@@ -63,9 +63,10 @@ class FakeIO:
 LM_HEAD = SimpleNamespace(weight=torch.randn(V, H, generator=torch.Generator().manual_seed(0)))
 
 
-def make_step(budget: int = B, budget_controller=None, clock=None) -> wmod.DecodeStep:
+def make_step(budget: int = B, budget_controller=None, clock=None,
+              env: dict | None = None) -> wmod.DecodeStep:
     """A DecodeStep from its parts: settings, vocabulary, fake I/O, eager tree stages."""
-    settings = DDTreeSettings.from_values(budget, BLOCK, environ={})
+    settings = DDTreeSettings.from_values(budget, BLOCK, environ=env or {})
     stages = GraphedStages(Kernels(), budget, BLOCK - 1, BLOCK,
                         functools.partial(draft_logits, LM_HEAD, vocab_size=V), graphed=False)
     return wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
@@ -139,6 +140,26 @@ def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
     assert w.build_tree(batch, plan_of(batch, 5), hidden).grammar_tree == "tree copy"
     assert started[0]["draft_token"].shape == (2, 6)
     assert torch.equal(started[0]["retrieve_next_token"], tree.layout.retrieve_next_token)
+
+
+def test_a_forced_spine_roots_the_trees_of_constrained_batches(monkeypatch):
+    """SGLANG_DDTREE_GRAMMAR_FORCE=spine: once the grammars hold the last step's tokens (the
+    barrier), each request's spine enters the tree stage and takes its first depths."""
+    w = make_step(env={"SGLANG_DDTREE_GRAMMAR_FORCE": "spine"})
+    batch = make_batch(has_grammar=True)
+    hidden = torch.randn(2, BLOCK, H)
+    order = []
+    monkeypatch.setattr(sg, "GrammarTree", SimpleNamespace(from_device=lambda **kw: None))
+    monkeypatch.setattr(wmod, "grammar_spines", lambda reqs, depth, device: order.append(
+        "spines") or torch.tensor([[5, 6, -1], [-1, -1, -1]]))
+    tree = w.build_tree(batch, plan_of(batch), hidden, lambda: order.append("barrier"))
+    assert order == ["barrier", "spines"]
+    lay = tree.layout
+    assert lay.draft_tokens.view(2, B + 1)[0, 1:3].tolist() == [5, 6]  # root -> 5 -> 6
+    assert lay.tree_parents[0, 1:3].tolist() == [0, 1]
+    plain = make_step().build_tree(batch, plan_of(batch), hidden)  # not forced: the drafter's
+    assert torch.equal(lay.draft_tokens.view(2, B + 1)[1], plain.layout.draft_tokens.view(
+        2, B + 1)[1])
 
 
 def test_the_draft_starts_from_the_plan_s_relay_state():

@@ -178,3 +178,26 @@ def test_auto_stops_walking_a_request_whose_walk_costs_more_than_its_masks(setup
     assert again.greedy.rows == ()
     costs.keep_only(set())
     assert costs.walk_us == {} and costs.us == {}
+
+
+def test_grammar_spines_ask_each_native_grammar_with_its_request_s_tokenizer(setup):
+    """The spine rows the tree stage takes: each request's forced continuation, tokenized by
+    its own tokenizer; none for a request without a native grammar or without a tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ddtree_sglang.grammar_forcing import forced_tokens
+    from ddtree_sglang.sglang_plugin.grammar_stage import grammar_spines
+
+    vocab, compiled, sample = setup
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "testbed" / "target"))
+    forced = SimpleNamespace(grammar=sg.XGrammarGrammar(xgr.GrammarMatcher(compiled), vocab,
+                                                        compiled, None), tokenizer=tok)
+    no_tokenizer = request("b", compiled, vocab, sample)
+    no_tokenizer.tokenizer = None
+    other = SimpleNamespace(grammar=object(), tokenizer=tok)  # not xgrammar's
+    rows = grammar_spines([forced, no_tokenizer, other, SimpleNamespace(grammar=None,
+                                                                        tokenizer=tok)], 5, "cpu")
+    want = forced_tokens(forced.grammar.matcher,
+                         lambda s: tok.encode(s, add_special_tokens=False), 5)
+    assert want and rows[0, :len(want)].tolist() == want and (rows[1:] == -1).all()
+    assert rows.shape == (4, 5) and rows.dtype == torch.int64

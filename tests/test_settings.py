@@ -33,10 +33,23 @@ def test_defaults():
                           "SGLANG_DDTREE_VERIFY_ATTENTION", "SGLANG_DDTREE_CUDA_GRAPH_TREE",
                           "SGLANG_DDTREE_HOST_TIMING", "SGLANG_DDTREE_BUDGET_TRACE",
                           "SGLANG_DDTREE_GRAMMAR", "SGLANG_DDTREE_GRAMMAR_BUDGET",
-                          "SGLANG_DDTREE_GRAMMAR_TREE"}
-    assert s.grammar_budget == "shared" and s.grammar_tree == "all"
+                          "SGLANG_DDTREE_GRAMMAR_TREE", "SGLANG_DDTREE_GRAMMAR_FORCE"}
+    assert s.grammar_budget == "shared" and s.grammar_tree == "all" and s.grammar_force == "off"
     with pytest.raises(DDTreeConfigError, match="accepted: shared, own"):
         settings(SGLANG_DDTREE_GRAMMAR_BUDGET="lane")
+    with pytest.raises(DDTreeConfigError, match="accepted: off, spine"):
+        settings(SGLANG_DDTREE_GRAMMAR_FORCE="on")
+    assert settings(SGLANG_DDTREE_GRAMMAR_FORCE="spine").grammar_force == "spine"
+
+
+def test_every_knob_is_in_the_readme_s_table_with_its_reason():
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines()
+            if line.startswith("| `SGLANG_DDTREE_")]
+    named = {line.split("`")[1]: line for line in rows}
+    assert set(named) == set(KNOBS)
+    for name, line in named.items():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 4 and cells[3], name  # setting, default, accepted, why
 
 
 def test_values_from_the_environment():

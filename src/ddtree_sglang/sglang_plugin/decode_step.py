@@ -41,7 +41,7 @@ from ddtree_sglang.sampling import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.budget_controller import GPUBudgetController
 from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
-                                                      grammar_valid_layout,
+                                                      grammar_spines, grammar_valid_layout,
                                                       sampled_grammar_choices,
                                                       start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
@@ -174,13 +174,18 @@ class DecodeStep:
     def build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor,
                    grammar_barrier=None) -> DraftedTree:
         """Drafter states -> the trees cut to the plan's budget (for constrained requests
-        under SGLANG_DDTREE_GRAMMAR_TREE=valid, to their best grammar-valid nodes, once the
+        under SGLANG_DDTREE_GRAMMAR_TREE=valid, to their best grammar-valid nodes; under
+        SGLANG_DDTREE_GRAMMAR_FORCE=spine, rooted in what their grammar forces; both once the
         grammars hold the previous step's tokens: `grammar_barrier`); with a grammar in the
         batch, the host copy of the tree that the bitmask needs starts here, before the
         verify."""
-        layout, positions, depth_probs = unpack_tree_stage(self.stages.tree(
-            hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long()),
-            self.stages.widths)
+        inputs = (hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long())
+        if batch.has_grammar and self.settings.grammar_force == "spine":
+            if grammar_barrier is not None:  # the grammars hold the previous step's tokens
+                grammar_barrier()
+            inputs += (grammar_spines(batch.reqs, self.depth, hidden.device),)
+        layout, positions, depth_probs = unpack_tree_stage(self.stages.tree(*inputs),
+                                                           self.stages.widths)
         if batch.has_grammar and self.settings.grammar_tree == "valid":
             if grammar_barrier is not None:
                 grammar_barrier()

@@ -30,6 +30,7 @@ import torch
 
 from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
                                          follow_paths, follow_sampled_paths)
+from ddtree_sglang.grammar_forcing import forced_rows, forced_tokens
 from ddtree_sglang.grammar_valid_tree import select_layout, select_nodes, valid_nodes
 from ddtree_sglang.verify_layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
@@ -217,6 +218,20 @@ def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], No
     patches.reset_grammar_mask(batch.sampling_info)
     return build_grammar_step(batch.reqs, grammar_tree.resolve(), width,
                               batch.sampling_info.vocab_size, device, method, costs)
+
+
+def grammar_spines(reqs: list, depth: int, device) -> torch.Tensor:
+    """[bs, depth] the forced spine of each request (grammar_forcing.forced_tokens: what its
+    grammar forces from the committed tokens, tokenized by its tokenizer), -1 past it and for
+    requests without a native grammar or a tokenizer; on the device, copied without a wait."""
+    spines = []
+    for req in reqs:
+        matcher = native_matcher(req) if req.grammar is not None else None
+        tokenizer = req.tokenizer
+        spines.append([] if matcher is None or tokenizer is None else forced_tokens(
+            matcher, lambda s: tokenizer.encode(s, add_special_tokens=False), depth))
+    return forced_rows(spines, depth).pin_memory().to(device, non_blocking=True) \
+        if torch.cuda.is_available() else forced_rows(spines, depth).to(device)
 
 
 def grammar_valid_layout(reqs: list, layout: VerifyLayout, width: int) -> VerifyLayout:

@@ -9,12 +9,13 @@ from typing import Callable
 import torch
 
 from ddtree_sglang.step_ops import commit_stage, stage_widths, tree_stage
+from ddtree_sglang.grammar_forcing import force_draft_logits
 from ddtree_sglang.graphed import GraphedFunction
 from ddtree_sglang.kernel_choice import Kernels
 
 
 class GraphedStages:
-    """`tree(draft_hidden, roots, seq_lens)` and `accept(tokens, parents, depths, choice,
+    """`tree(draft_hidden, roots, seq_lens[, forced])` and `accept(tokens, parents, depths, choice,
     out_cache_loc, seq_lens)` (the walk and the commit's slots: step_ops.commit_stage).
 
     draft_logits: [bs, L, H] drafter states -> [bs, L, V] logits (the target's lm_head);
@@ -31,10 +32,15 @@ class GraphedStages:
         self.tree = GraphedFunction(self._tree, "DDTREE tree stage", graphed)
         self.accept = GraphedFunction(self._accept, "DDTREE accept stage", graphed)
 
-    def _tree(self, draft_hidden, roots, seq_lens) -> tuple:
-        """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed)."""
-        return tree_stage(self.draft_logits(draft_hidden), roots, seq_lens, self.budget,
-                          self.depth, self.kernels.build_tree, self.candidates)
+    def _tree(self, draft_hidden, roots, seq_lens, forced=None) -> tuple:
+        """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed);
+        `forced` [bs, depth] (-1: none): the grammar's forced spine (grammar_forcing.py), a
+        graph of its own per batch size."""
+        logits = self.draft_logits(draft_hidden)
+        if forced is not None:
+            logits = force_draft_logits(logits, forced)
+        return tree_stage(logits, roots, seq_lens, self.budget, self.depth,
+                          self.kernels.build_tree, self.candidates)
 
     def _accept(self, tokens, parents, depths, choice, out_cache_loc, seq_lens) -> tuple:
         """Target choices -> StepCommit and CommitSlots fields (fixed shapes; CUDA-graphed)."""

@@ -35,6 +35,7 @@ GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
 GRAMMAR_METHODS = ("tree", "path", "auto", "python")  # sglang_plugin/grammar_stage.py
 GRAMMAR_BUDGET_ENV = "SGLANG_DDTREE_GRAMMAR_BUDGET"
 GRAMMAR_TREE_ENV = "SGLANG_DDTREE_GRAMMAR_TREE"
+GRAMMAR_FORCE_ENV = "SGLANG_DDTREE_GRAMMAR_FORCE"
 DEFAULT_EXPLORE_EVERY = 32
 DEFAULT_MIN_GAIN = 0.03
 
@@ -133,6 +134,10 @@ _KNOB_LIST = (
          "best grammar-valid ones (valid: the tree is read back and checked on the host "
          "before the verify; room to gain where the verify is narrower than the candidate "
          "tree)"),
+    Knob(GRAMMAR_FORCE_ENV, "off", _choice(GRAMMAR_FORCE_ENV, ("off", "spine")),
+         "tokens the grammar forces at a constrained request's root (spine: its jump-forward "
+         "string, tokenized by the request's tokenizer, takes the tree's first depths; "
+         "CPU-tested, opt-in until a GPU slice measures it)"),
     Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
          "log the host's time per decode step by stage"),
     Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),
@@ -180,6 +185,7 @@ class DDTreeSettings:
     grammar: str
     grammar_budget: str
     grammar_tree: str
+    grammar_force: str
     host_timing: bool
     budget_trace: bool
 
@@ -220,5 +226,6 @@ class DDTreeSettings:
                    cuda_graph_tree=values[CUDA_GRAPH_TREE_ENV] == "1",
                    grammar=values[GRAMMAR_ENV], grammar_budget=values[GRAMMAR_BUDGET_ENV],
                    grammar_tree=values[GRAMMAR_TREE_ENV],
+                   grammar_force=values[GRAMMAR_FORCE_ENV],
                    host_timing=values[HOST_TIMING_ENV] == "1",
                    budget_trace=values[BUDGET_TRACE_ENV] == "1")

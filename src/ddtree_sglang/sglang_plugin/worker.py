@@ -182,6 +182,9 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                 lay, _, _ = unpack_tree_stage(stages.tree(
                     zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs), zeros(bs) + 1),
                     stages.widths)
+                if s.grammar_force == "spine":  # the tree stage with a spine input
+                    stages.tree(zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs),
+                                zeros(bs) + 1, zeros(bs, s.depth) - 1)
                 for budget in s.budgets:  # one acceptance graph per verify width
                     cut = truncate_layout(lay, budget + 1)
                     stages.accept(cut.draft_tokens.view(bs, budget + 1), cut.tree_parents,
