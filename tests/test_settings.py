@@ -33,7 +33,8 @@ def test_defaults():
                           "SGLANG_DDTREE_VERIFY_ATTENTION", "SGLANG_DDTREE_CUDA_GRAPH_TREE",
                           "SGLANG_DDTREE_HOST_TIMING", "SGLANG_DDTREE_BUDGET_TRACE",
                           "SGLANG_DDTREE_GRAMMAR", "SGLANG_DDTREE_GRAMMAR_BUDGET",
-                          "SGLANG_DDTREE_GRAMMAR_TREE", "SGLANG_DDTREE_GRAMMAR_FORCE"}
+                          "SGLANG_DDTREE_GRAMMAR_TREE", "SGLANG_DDTREE_GRAMMAR_FORCE",
+                          "SGLANG_DDTREE_UNCHECKED"}
     assert s.grammar_budget == "shared" and s.grammar_tree == "all" and s.grammar_force == "off"
     with pytest.raises(DDTreeConfigError, match="accepted: shared, own"):
         settings(SGLANG_DDTREE_GRAMMAR_BUDGET="lane")
@@ -140,3 +141,26 @@ def test_validation_reports_bad_knobs_with_the_other_problems(monkeypatch):
     validate(server_args(**base))
     s = settings_from_args(server_args(**base))
     assert (s.budget, s.block_size, s.tree_kernel) == (32, 16, "triton")
+
+
+def test_set_ups_awaiting_their_gpu_check_start_only_when_named(monkeypatch):
+    """tp > 1 and page sizes up to 64 are implemented and refused until a GPU run checks them;
+    SGLANG_DDTREE_UNCHECKED lets that run start them, and nothing else."""
+    from ddtree_sglang.sglang_plugin.server_args import validate
+
+    base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
+                speculative_num_draft_tokens=33, attention_backend="triton")
+    for extra, needle in ((dict(tp_size=2), "awaits its GPU check"),
+                          (dict(page_size=16), "await their GPU check")):
+        with pytest.raises(DDTreeConfigError, match=needle):
+            validate(server_args(**base, **extra))
+    monkeypatch.setenv("SGLANG_DDTREE_UNCHECKED", "tp,page_size")
+    validate(server_args(**base, tp_size=2, page_size=16))
+    with pytest.raises(DDTreeConfigError, match="--page-size 1 for now; got 128"):
+        validate(server_args(**base, page_size=128))  # past the implemented 64
+    with pytest.raises(DDTreeConfigError, match="--pp-size 1 only"):
+        validate(server_args(**base, pp_size=2))
+    monkeypatch.setenv("SGLANG_DDTREE_UNCHECKED", "dp")
+    with pytest.raises(DDTreeConfigError, match="accepted: off .default. or a comma list of tp, "
+                                                "page_size"):
+        validate(server_args(**base))

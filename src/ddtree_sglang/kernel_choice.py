@@ -16,6 +16,7 @@ import torch
 
 from ddtree_sglang.step_ops import accept_stage
 from ddtree_sglang.draft_tree import DraftTree, torch_top_log_probs
+from ddtree_sglang.sharded_topk import VocabShard
 from ddtree_sglang.draft_tree_builder import build_draft_tree
 
 # The one-pass Triton top-k extracts k values from every 4,096-logit chunk by repeated max,
@@ -45,9 +46,13 @@ class Kernels:
     kv_move: bool = False
     verify_attention: str = "single"
     dropped: tuple[tuple[str, str], ...] = ()
+    vocab_shard: VocabShard | None = None  # tensor parallelism: this rank's vocabulary slice
 
     def top_log_probs(self, draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """draft_tree.TopLogProbs through the kernels this set uses."""
+        """draft_tree.TopLogProbs through the kernels this set uses (over every rank's shard,
+        merged exactly, where the vocabulary is split: sharded_topk.py)."""
+        if self.vocab_shard is not None:
+            return self.vocab_shard.top_log_probs(draft_logits, k)
         rows = draft_logits.numel() // draft_logits.shape[-1]
         if self.topk and draft_logits.is_cuda and rows <= TOPK_MAX_ROWS:
             from ddtree_sglang.kernels.topk import MAX_K, top_log_probs_triton

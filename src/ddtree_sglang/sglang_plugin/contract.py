@@ -149,6 +149,11 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.layers.logprob_processor.get_token_ids_logprobs":
         ("logprobs", "token_ids_logprobs", "no_copy_to_cpu"),
     "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB": (),
+    # tensor parallelism: each rank's vocabulary shard and the group's all-gather (sglang_api.
+    # vocab_shard, sharded_topk.py)
+    "sglang.srt.distributed.parallel_state.get_tp_group": (),
+    "sglang.srt.distributed.parallel_state.GroupCoordinator.all_gather": ("input_", "dim"),
+    "sglang.srt.layers.vocab_parallel_embedding.VocabParallelEmbeddingShardIndices": (),
 }
 
 # Methods the plugin's subclasses override, per parent: a parent method renamed in SGLang would
@@ -238,6 +243,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         ("_graphs",),
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool":
         ("data_ptrs", "data_strides", "page_size"),
+    "sglang.srt.distributed.parallel_state.GroupCoordinator": ("world_size",),
+    "sglang.srt.layers.vocab_parallel_embedding.VocabParallelEmbeddingShardIndices":
+        ("org_vocab_start_index", "num_org_elements", "num_added_elements"),
 }
 
 def resolve(path: str):

@@ -17,7 +17,9 @@ from typing import Any
 from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
 from ddtree_sglang.model_files import ModelNotFound, model_dir
-from ddtree_sglang.sglang_plugin.settings import MAX_BUDGET, DDTreeConfigError, DDTreeSettings
+from ddtree_sglang.sglang_plugin.settings import (MAX_BUDGET, MAX_CHECKED_PAGE_SIZE,
+                                                  DDTreeConfigError, DDTreeSettings,
+                                                  unchecked_setups)
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +238,32 @@ def _drafter_and_budget_errors(args: Any, hf: dict) -> list[str]:
     return errors
 
 
+def _parallel_and_paging_errors(args: Any, unchecked: tuple[str, ...]) -> list[str]:
+    """Page size, tensor / pipeline parallelism and DP attention: what is refused, and what is
+    implemented but waits for its GPU check (started only when SGLANG_DDTREE_UNCHECKED names
+    it)."""
+    errors = []
+    page = _get(args, "page_size")
+    if page not in (None, 1) and not ("page_size" in unchecked
+                                      and 1 <= int(page) <= MAX_CHECKED_PAGE_SIZE):
+        errors.append(f"DDTREE serves --page-size 1 for now; got {page} (accepted: 1; page "
+                      f"sizes up to {MAX_CHECKED_PAGE_SIZE} are implemented and await their "
+                      "GPU check against plain SGLang)")
+    if _get(args, "enable_dp_attention"):
+        errors.append("DDTREE does not support --enable-dp-attention (accepted: off); run one "
+                      "replica per GPU, or --tp-size, instead")
+    tp = _get(args, "tp_size")
+    if tp not in (None, 1) and "tp" not in unchecked:
+        errors.append(f"DDTREE serves --tp-size 1 for now; got {tp} (accepted: 1, one replica "
+                      "per GPU; tensor parallelism is implemented and awaits its GPU check "
+                      "against plain SGLang on several GPUs)")
+    pp = _get(args, "pp_size")
+    if pp not in (None, 1):
+        errors.append(f"DDTREE supports --pp-size 1 only; got {pp} (accepted: 1; use "
+                      "--tp-size to split a model)")
+    return errors
+
+
 def validate(args: Any) -> None:
     """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
     require_fields(args)
@@ -246,18 +274,12 @@ def validate(args: Any) -> None:
     hf = _target_hf_config(args)  # read once: a hub ID may cost a download of config.json
     errors += _drafter_and_budget_errors(args, hf)
     errors += _backend_errors(args)
-    page = _get(args, "page_size")
-    if page not in (None, 1):
-        errors.append(f"DDTREE supports --page-size 1 only for now; got {page} "
-                      "(accepted: 1)")
-    if _get(args, "enable_dp_attention"):
-        errors.append("DDTREE does not support --enable-dp-attention (accepted: off); run one "
-                      "replica per GPU instead")
-    for flag, accepted in (("tp_size", 1), ("pp_size", 1)):
-        value = _get(args, flag)
-        if value not in (None, accepted):
-            errors.append(f"DDTREE supports --{flag.replace('_', '-')} {accepted} only; got "
-                          f"{value} (run one single-GPU replica per GPU)")
+    try:
+        unchecked = unchecked_setups()
+    except DDTreeConfigError as exc:
+        errors.append(str(exc))
+        unchecked = ()
+    errors += _parallel_and_paging_errors(args, unchecked)
     if _get(args, "speculative_draft_window_size") is not None:
         errors.append("DDTREE does not support --speculative-draft-window-size (accepted: unset)")
     if _get(args, "speculative_use_rejection_sampling"):

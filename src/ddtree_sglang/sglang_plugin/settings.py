@@ -36,6 +36,9 @@ GRAMMAR_METHODS = ("tree", "path", "auto", "python")  # sglang_plugin/grammar_st
 GRAMMAR_BUDGET_ENV = "SGLANG_DDTREE_GRAMMAR_BUDGET"
 GRAMMAR_TREE_ENV = "SGLANG_DDTREE_GRAMMAR_TREE"
 GRAMMAR_FORCE_ENV = "SGLANG_DDTREE_GRAMMAR_FORCE"
+UNCHECKED_ENV = "SGLANG_DDTREE_UNCHECKED"
+UNCHECKED_SETUPS = ("tp", "page_size")  # implemented, refused until a GPU run checks them
+MAX_CHECKED_PAGE_SIZE = 64
 DEFAULT_EXPLORE_EVERY = 32
 DEFAULT_MIN_GAIN = 0.03
 
@@ -68,6 +71,26 @@ def _choice(name: str, values: tuple[str, ...]) -> Callable[[str], str]:
                                     f"{', '.join(values)} (default {values[0]})")
         return value
     return parse
+
+
+def parse_unchecked(value: str) -> tuple[str, ...]:
+    """SGLANG_DDTREE_UNCHECKED: off, or a comma list of the set-ups to start before their GPU
+    check (for that check)."""
+    value = value.strip()
+    if value == "off":
+        return ()
+    names = tuple(x.strip() for x in value.split(",") if x.strip())
+    bad = [x for x in names if x not in UNCHECKED_SETUPS]
+    if bad or not names:
+        raise DDTreeConfigError(f"{UNCHECKED_ENV}={value!r} is not accepted; accepted: off "
+                                f"(default) or a comma list of {', '.join(UNCHECKED_SETUPS)}")
+    return names
+
+
+def unchecked_setups(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The set-ups awaiting their GPU check that this environment starts anyway."""
+    env = os.environ if environ is None else environ
+    return parse_unchecked(env.get(UNCHECKED_ENV, "off"))
 
 
 def _explore_every(value: str) -> int:
@@ -138,6 +161,9 @@ _KNOB_LIST = (
          "tokens the grammar forces at a constrained request's root (spine: its jump-forward "
          "string, tokenized by the request's tokenizer, takes the tree's first depths; "
          "CPU-tested, opt-in until a GPU slice measures it)"),
+    Knob(UNCHECKED_ENV, "off", parse_unchecked,
+         "set-ups implemented but refused until a GPU run checks them, started anyway: tp "
+         "(--tp-size > 1), page_size (--page-size 2..64); for those GPU checks"),
     Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
          "log the host's time per decode step by stage"),
     Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),

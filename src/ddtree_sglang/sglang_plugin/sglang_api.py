@@ -21,6 +21,7 @@ from sglang.srt.arg_groups.overrides import run_post_process_pass
 from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend
 from sglang.srt.constrained.base_grammar_backend import GrammarMask
 from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.logprob_processor import get_token_ids_logprobs, get_top_logprobs
 from sglang.srt.layers.sampler import SGLANG_RETURN_ORIGINAL_LOGPROB as RETURN_ORIGINAL_LOGPROB
@@ -167,3 +168,21 @@ def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:
         end.synchronize()
         out[int(key.size)] = start.elapsed_time(end) / reps
     return out or None
+
+
+def vocab_shard(lm_head, vocab_size: int):
+    """This rank's VocabShard of a vocabulary-parallel lm_head (its global id range and the
+    tensor-parallel group's all-gather, which SGLang's communicators run inside CUDA graphs),
+    or None where the head holds the whole vocabulary."""
+    from ddtree_sglang.sharded_topk import VocabShard
+
+    group = get_tp_group()
+    if int(group.world_size) == 1 or not hasattr(lm_head, "shard_indices"):
+        return None
+    shard = lm_head.shard_indices
+    if int(shard.num_added_elements) > 0:
+        raise RuntimeError("DDTREE's tensor-parallel draft tree takes a vocabulary without "
+                           "added (LoRA) tokens")
+    return VocabShard(int(shard.org_vocab_start_index), int(shard.num_org_elements),
+                      lambda t: group.all_gather(t.unsqueeze(0).contiguous(), dim=0))
+

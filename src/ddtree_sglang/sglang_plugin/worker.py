@@ -56,6 +56,9 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             draft_token_num=s.block_size, device=self.device)
         self.ddtree_vocab_size = int(self.model_runner.model_config.vocab_size)
         lm_head = self.target_worker.model_runner.model.lm_head
+        shard = sg.vocab_shard(lm_head, self.ddtree_vocab_size)
+        if shard is not None:  # tp > 1: every rank merges the shards' top-K into one tree
+            self.ddtree_kernels = replace(self.ddtree_kernels, vocab_shard=shard)
         self.ddtree_stages = GraphedStages(
             self.ddtree_kernels, s.budget, s.depth, s.block_size,
             functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
