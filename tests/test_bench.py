@@ -655,10 +655,10 @@ def test_pro6000x8_config_plans_on_any_machine_by_hub_id(capsys, monkeypatch, tm
     cfg = ROOT / "configs" / "pro6000x8.yaml"
     assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "5 arms x 8 replicas" in out
+    assert "7 arms x 8 replicas / 4 replicas of tp 2" in out
     assert "target Qwen/Qwen3-8B: hub ID, not cached: the server downloads it" in out
     assert "drafter z-lab/Qwen3-8B-DFlash-b16: hub ID" in out
-    assert out.count("--model-path Qwen/Qwen3-8B ") == 40
+    assert out.count("--model-path Qwen/Qwen3-8B ") == 5 * 8 + 2 * 4  # tp 1 and tp 2 replicas
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     line = _error_line(capsys, ["--config", str(cfg), "--out", str(tmp_path / "o")])
     assert "hf download Qwen/Qwen3-8B" in line and "HF_HUB_OFFLINE is set" in line
@@ -673,3 +673,28 @@ def test_a_run_without_a_usable_gpu_stops_before_starting_servers(tmp_path, caps
     assert "need 1 CUDA GPU(s)" in line and "no usable CUDA GPU" in line
     assert "nothing was started" in line and not (tmp_path / "out").exists()
     assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0  # the plan needs no GPU
+
+
+def test_arms_know_tp_and_page_size_and_the_8_gpu_config_plans_tp2_pairs(tmp_path, capsys):
+    """A tp arm runs one replica per group of tp GPUs (CUDA_VISIBLE_DEVICES=0,1 ...) with
+    --tp-size; an arm's page size overrides the config's; a tp that does not divide the GPUs
+    is refused.  configs/pro6000x8.yaml prints eight tp = 1 replicas and four tp = 2 pairs."""
+    from ddtree_sglang.bench.config import ConfigError, load_config, replica_gpus
+
+    assert replica_gpus([0, 1, 2, 3], 2) == ["0,1", "2,3"] and replica_gpus([5], 1) == ["5"]
+    cfg = load_config(write_config(tmp_path, gpus=[0, 1, 2, 3], arms=[
+        {"name": "dflash", "algorithm": "DFLASH", "tp": 2, "page_size": 16}]))
+    from ddtree_sglang.bench.run import server_spec
+
+    spec = server_spec(cfg, cfg.arms[0], "m", "d")
+    argv = spec.cli(0)
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--page-size") + 1] == "16"
+    with pytest.raises(ConfigError, match="their tp does not divide the 3 gpus"):
+        load_config(write_config(tmp_path, gpus=[0, 1, 2], arms=[{"name": "a", "tp": 2}]))
+    assert serve_bench.main(["--config", str(ROOT / "configs" / "pro6000x8.yaml"),
+                             "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[ddtree-b31-tp2, GPU ") == 4 and "[ddtree-b31-tp2, GPU 6,7]" in out
+    assert out.count("[ddtree-b15, GPU ") == 8
+    pair = next(line for line in out.splitlines() if "[dflash-tp2, GPU 2,3]" in line)
+    assert "CUDA_VISIBLE_DEVICES=2,3" in pair and "--tp-size 2" in pair

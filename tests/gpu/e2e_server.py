@@ -196,6 +196,10 @@ def main() -> None:
         # the reference of the flashinfer arms (same kernels, same bf16 rounding)
         "plain_flashinfer": ServerSpec(target, "plain_flashinfer",
                                        attention_backend="flashinfer"),
+        # paged KV (16 tokens a page), implemented and started here for its check only
+        "ddtree_page16": ServerSpec(target, "ddtree_page16", "DDTREE", drafter, args.budget + 1,
+                                    page_size=16, env={"SGLANG_DDTREE_UNCHECKED": "page_size"}),
+        "plain_page16": ServerSpec(target, "plain_page16", page_size=16),
     }
     # Every arm's server starts at once (fixed KV pool, sleep on idle), so kernel compilation
     # and graph capture overlap; the arms are then checked one at a time.
@@ -224,10 +228,13 @@ def main() -> None:
         for server in servers:
             server.stop()
     for r in results:
-        # the reference: plain SGLang on the arm's own attention backend when it ran, else on
-        # triton (different kernels round bf16 differently and may split at a near-tie)
-        backend = specs[r["arm"]].attention_backend
-        plain = next((q for q in results if q["arm"] == f"plain_{backend}"),
+        # the reference: plain SGLang with the arm's page size, else on the arm's own attention
+        # backend when it ran, else on triton (different kernels round bf16 differently and
+        # may split at a near-tie)
+        spec = specs[r["arm"]]
+        own = f"plain_page{spec.page_size}" if spec.page_size > 1 else \
+            f"plain_{spec.attention_backend}"
+        plain = next((q for q in results if q["arm"] == own),
                      next((q for q in results if q["arm"].startswith("plain")), None))
         if plain and plain.get("greedy_outputs") and r.get("greedy_outputs"):
             r["plain_reference"] = plain["arm"]

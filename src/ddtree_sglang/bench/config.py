@@ -34,6 +34,10 @@ class Arm(_Strict):
         None, description="this arm's attention backend (unset: the config's)")
     env: dict[str, str] = Field({}, description="DDTREE environment knobs for this arm's server "
                                 "(SGLANG_DDTREE_*, checked against their accepted values)")
+    tp: int = Field(1, ge=1, description="tensor-parallel GPUs per replica: the config's gpus "
+                    "are taken in groups of tp, one replica per group")
+    page_size: Optional[int] = Field(None, ge=1, description="this arm's KV page size (unset: "
+                                     "the config's)")
 
     @model_validator(mode="after")
     def _budget_only_for_ddtree(self) -> "Arm":
@@ -49,6 +53,11 @@ class Arm(_Strict):
             except ValueError as exc:  # DDTreeConfigError
                 raise ValueError(f"arm {self.name}: {exc}") from None
         return self
+
+
+def replica_gpus(gpus: list[int], tp: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each replica: the GPUs in consecutive groups of `tp`."""
+    return [",".join(map(str, gpus[i:i + tp])) for i in range(0, len(gpus) - tp + 1, tp)]
 
 
 class Prompts(_Strict):
@@ -177,6 +186,10 @@ class BenchConfig(_Strict):
             raise ValueError(f"arm names must be unique; got {names}")
         if not self.arms:
             raise ValueError("at least one arm is needed")
+        odd = [a.name for a in self.arms if len(self.gpus) % a.tp]
+        if odd:
+            raise ValueError(f"arms {odd}: their tp does not divide the {len(self.gpus)} gpus "
+                             "into whole replicas")
         if self.startup_group > 1 and not self.max_total_tokens:
             raise ValueError("startup_group > 1 needs max_total_tokens (a fixed KV pool per server, "
                              "so servers starting together on one GPU do not starve), e.g. 262144")

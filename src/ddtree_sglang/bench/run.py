@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from ddtree_sglang.bench import cells, client, compare, cost_mode, profile, report
 from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
-                                        load_config)
+                                        load_config, replica_gpus)
 from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
 from ddtree_sglang.cli import (CliError, Parser, index_list, positive_int,
                               positive_int_list, run)
@@ -101,7 +101,8 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         num_draft_tokens=(arm.budget + 1) if arm.algorithm == "DDTREE" and arm.budget else None,
         attention_backend=arm.attention_backend or cfg.attention_backend, dtype=cfg.dtype,
         mem_fraction_static=cfg.mem_fraction_static, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-        disable_overlap_schedule=cfg.disable_overlap_schedule, page_size=cfg.page_size,
+        disable_overlap_schedule=cfg.disable_overlap_schedule,
+        page_size=arm.page_size or cfg.page_size, tp_size=arm.tp,
         max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
         max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
         extra_args=list(extra), launcher_module=cfg.launcher_module, env=arm_env(arm))
@@ -119,9 +120,10 @@ def arm_env(arm: Arm) -> dict[str, str]:
 
 
 def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:
-    """One server per entry of cfg.gpus, launched (not awaited); all stop when `stack` closes."""
-    servers = [Server(spec, out / "logs" / f"{spec.name}_r{i}_gpu{g}.log", gpu=str(g))
-               for i, g in enumerate(cfg.gpus)]
+    """One server per group of spec.tp_size entries of cfg.gpus, launched (not awaited); all
+    stop when `stack` closes."""
+    servers = [Server(spec, out / "logs" / f"{spec.name}_r{i}_gpu{g.replace(',', '-')}.log",
+                      gpu=g) for i, g in enumerate(replica_gpus(cfg.gpus, spec.tp_size))]
     for s in servers:
         s.launch()
         stack.callback(s.stop)
@@ -395,7 +397,10 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
                     f"{cfg.endpoint} endpoint, prompts {cfg.prompts.source} (first "
                     f"{cfg.prompts.limit})")
         gpus = cfg.gpus
-    lines = [f"config {cfg.name}: {_count(len(arms), 'arm')} x {_count(len(gpus), 'replica')} "
+    tps = sorted({a.tp for a in arms})
+    replicas = " / ".join(_count(len(gpus) // tp, "replica") + (f" of tp {tp}" if tp > 1 else "")
+                          for tp in tps)
+    lines = [f"config {cfg.name}: {_count(len(arms), 'arm')} x {replicas} "
              f"(GPUs {gpus}), {_count(min(cfg.startup_group, len(arms)), 'arm')} started "
              "together", levels]
     if not cfg.cost_mode.enabled:
@@ -405,7 +410,7 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
     for arm in arms:
         extra = ["--skip-tokenizer-init"] if cfg.cost_mode.enabled else []
         spec = server_spec(cfg, arm, model, drafter, extra=extra)
-        for g in gpus:
+        for g in replica_gpus(gpus, arm.tp):
             lines.append(f"  [{arm.name}, GPU {g}] CUDA_VISIBLE_DEVICES={g} {sys.executable} "
                          + " ".join(spec.cli(port=0)[1:]).replace("--port 0", "--port <free>"))
     return "\n".join(lines)

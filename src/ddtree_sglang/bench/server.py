@@ -37,6 +37,7 @@ class ServerSpec:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     page_size: int = 1
+    tp_size: int = 1
     max_running_requests: int | None = None
     # A fixed KV pool size lets several servers share one GPU (SGLang sizes the pool from the
     # memory free at its own start, so servers starting together would otherwise starve).
@@ -59,6 +60,8 @@ class ServerSpec:
                      "--speculative-draft-model-path", str(self.draft_model_path)]
             if self.num_draft_tokens:
                 args += ["--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+        if self.tp_size > 1:
+            args += ["--tp-size", str(self.tp_size)]
         if self.disable_cuda_graph:
             args += ["--cuda-graph-backend-decode", "disabled"]
         if self.disable_overlap_schedule:
