@@ -205,7 +205,7 @@ def cmd_report(args) -> int:
     md = evidence.report_markdown(plan, found)
     png = evidence.plot(plan, found, args.results / "evidence.png")
     if png:
-        md += f"\n![DDTREE / DFLASH per cell](evidence.png)\n"
+        md += "\n![DDTREE / DFLASH per cell](evidence.png)\n"
     (args.results / "README.md").write_text(md)
     print(md)
     return 0

@@ -374,7 +374,8 @@ def threads_table(vocab: Vocab, compiled, kind: str, batch: int, workers: int,
 def goal_lines(rows: list[dict], tree: str = "B31") -> list[str]:
     """The issue's CPU goal per kind at `tree` with the largest vocabulary: DDTREE's host time
     (greedy: the cheaper of tree masks and the top-K walk; sampled: of tree masks and the
-    sampled path masks; `auto` picks between them) against 1/5 of SGLang's traversal over the same tree and over DFLASH's chain."""
+    sampled path masks; `auto` picks between them) against 1/5 of SGLang's traversal over the
+    same tree and over DFLASH's chain."""
     vocab = rows[-1]["vocab"] if rows else ""
     at = {(r["kind"], r["tree"]): r["methods"] for r in rows if r["vocab"] == vocab}
     lines = ["", f"Goal at {tree}, {vocab}: DDTREE's host µs per request per step <= 1/5 of the "

@@ -94,7 +94,8 @@ def write(args, rows: list[dict]) -> str:
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# Tree build + layout + acceptance, CUDA graph replay ({meta['device']}, {meta['date']})",
              "", f"`{meta['command']}`", "",
-             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | Triton = PyTorch | CPU heap build (us) | heap / GPU step |",
+             "| batch | B | GPU step (us) | GPU build only (us) | Triton build (us) | "
+             "Triton = PyTorch | CPU heap build (us) | heap / GPU step |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['budget']} | {r['gpu_step_us']} | {r['gpu_build_us']} | "
               f"{r['triton_build_us'] if r['triton_build_us'] is not None else '-'} | "

@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--drafter-seconds", type=positive_float, default=200)
     ap.add_argument("--corpus", choices=["stdlib", "all"], default="all",
                     help="stdlib: v1's corpus (2.8 M tokens); all: + installed packages (~18 M)")
-    ap.add_argument("--gen-seqs", type=positive_int, default=4096, help="target continuations for the drafter")
+    ap.add_argument("--gen-seqs", type=positive_int, default=4096,
+                    help="target continuations for the drafter")
     ap.add_argument("--gen-batch", type=positive_int, default=256, help="continuations generated per batch")
     ap.add_argument("--real-seqs", type=non_negative_int, default=0,
                     help="corpus windows added to the drafter data (v1: as many as --gen-seqs)")

@@ -49,7 +49,8 @@ def main():
             elif self.path == "/get_load":
                 self._json([{"num_tokens": 0}])
             elif self.path.startswith("/v1/loads"):
-                spec_metrics = {"accept_length": 2.5, "accept_rate": 0.5}  # != per-request 2.0 if spec else None
+                spec_metrics = ({"accept_length": 2.5, "accept_rate": 0.5}  # != per-request 2.0
+                                if spec else None)
                 self._json({"loads": [{"dp_rank": 0, "speculative": spec_metrics}]})
             else:
                 self._json({"error": "no"}, 404)

@@ -481,8 +481,10 @@ def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):
     from ddtree_sglang.bench import projection
 
     rows = [dict(arm="dflash", batch_size=1, step_ms=8.0), dict(arm="dflash", batch_size=8, step_ms=10.0),
-            dict(arm="ddtree-b16", batch_size=1, step_ms=9.0), dict(arm="ddtree-b16", batch_size=8, step_ms=12.0),
-            dict(arm="ddtree-b64", batch_size=1, step_ms=9.5), dict(arm="ddtree-b64", batch_size=8, step_ms=30.0)]
+            dict(arm="ddtree-b16", batch_size=1, step_ms=9.0),
+            dict(arm="ddtree-b16", batch_size=8, step_ms=12.0),
+            dict(arm="ddtree-b64", batch_size=1, step_ms=9.5),
+            dict(arm="ddtree-b64", batch_size=8, step_ms=30.0)]
     tau = {16: 8.0, 64: 10.0}
     out = {r["batch_size"]: r for r in projection.project(rows, tau, chain_tau=7.0)}
     assert out[1]["chosen_budget"] == 64 and out[8]["chosen_budget"] == 16

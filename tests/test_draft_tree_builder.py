@@ -21,7 +21,8 @@ def test_matches_heap(batch, depth, vocab, budget):
         assert len(set(ours)) == budget
         assert set(ours) == {p for _, p in ref}, "node set differs from the heap"
         # Best-first order: the scores are the heap's scores in the heap's order.
-        assert torch.allclose(tree.scores[b].double(), torch.tensor([s for s, _ in ref], dtype=torch.float64), atol=1e-4)
+        assert torch.allclose(tree.scores[b].double(),
+                              torch.tensor([s for s, _ in ref], dtype=torch.float64), atol=1e-4)
         assert tree.depths[b].tolist() == [len(p) for p in ours]
 
 

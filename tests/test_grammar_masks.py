@@ -1,5 +1,6 @@
 """grammar_masks against full masks, with real xgrammar grammars on the testbed's tokenizer:
-the native tree masks equal SGLang's Python traversal at every node the grammar allows, and the greedy path walk
+the native tree masks equal SGLang's Python traversal at every node the grammar allows, and the
+greedy path walk
 commits exactly what the full masks' argmax and the acceptance walk commit, on random trees,
 grammars and logits (ties, penalties' -inf, the target preferring forbidden tokens)."""
 import json

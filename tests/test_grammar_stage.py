@@ -1,7 +1,6 @@
 """sglang_plugin/grammar_stage.py: which constrained request gets tree masks and which walks its
 path under each SGLANG_DDTREE_GRAMMAR method, the cost evidence `auto` decides by, and tree masks
 filled on threads equal to serial ones (real xgrammar matchers, the testbed's tokenizer)."""
-import json
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -8,12 +8,10 @@ import torch
 
 pytest.importorskip("sglang")
 
-from ddtree_sglang.step_ops import StepCommit  # noqa: E402
 from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
 from ddtree_sglang.verify_layout import build_verify_layout  # noqa: E402
 from ddtree_sglang.sglang_plugin import model_io, sglang_api as sg  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
-from ddtree_sglang.sglang_plugin.step_records import StepPlan  # noqa: E402
 from ddtree_sglang.draft_tree_builder import build_draft_tree  # noqa: E402
 
 BLOCK, B, V = 4, 5, 30

@@ -73,7 +73,8 @@ def test_tree_walk_samples_the_target_distribution():
     p2 = torch.softmax(torch.randn(vocab, vocab, generator=g), -1)  # p(t2 | t1)
     draft = torch.randn(1, 2, vocab, generator=g).expand(n_req, -1, -1)
     tree = build_draft_tree(draft, 5)
-    lay = build_verify_layout(tree, torch.zeros(n_req, dtype=torch.long), torch.zeros(n_req, dtype=torch.long))
+    zeros = torch.zeros(n_req, dtype=torch.long)
+    lay = build_verify_layout(tree, zeros, zeros)
     n = 6
     toks = lay.draft_tokens.view(n_req, n)
     # Target logits at each node: the root predicts t1; a depth-1 node with token t predicts t2|t.

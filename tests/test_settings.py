@@ -2,7 +2,6 @@
 with the accepted values named, at startup (through validate) and for benchmark arms."""
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from conftest import server_args

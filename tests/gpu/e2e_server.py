@@ -8,7 +8,8 @@ greedy outputs for the held-out prompts, sent concurrently, are the target's own
 (every emitted token is re-scored by the target in float32 with transformers: it must be the
 argmax, or within --tie-tol logits of it); temperature-1 outputs have the target's own mean
 log-likelihood (mean NLL of the sampled tokens vs mean entropy at those positions); 24
-concurrent requests of different lengths (greedy, T=1, top-p, top-k, min-p, frequency and repetition penalties); n=2 through /v1/completions; a logprob request is refused with a message and the
+concurrent requests of different lengths (greedy, T=1, top-p, top-k, min-p, frequency and
+repetition penalties); n=2 through /v1/completions; a logprob request is refused with a message and the
 server stays up; after /flush_cache the KV pool holds no tokens.  Prints a table last and writes
 e2e.json under --out.
 """
@@ -245,14 +246,16 @@ def main() -> None:
                                                  plain["greedy_outputs"])
     write(args.out, results)
     summary = [summarize(r) for r in results]
-    print("\n| arm | healthy after s (all started together) | openai | greedy not-argmax (>tol) / near-ties / tokens | "
-          "sampled NLL vs entropy | mixed ok /24 | accept len | budget: greedy steps | "
+    print("\n| arm | healthy after s (all started together) | openai | "
+          "greedy not-argmax (>tol) / near-ties / tokens | sampled NLL vs entropy | "
+          "mixed ok /24 | accept len | budget: greedy steps | "
           "KV after flush | alive | leak | equal to plain (reference) | first divergences: "
           "float32 gaps |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summary:
         g, s = r.get("greedy_check", {}), r.get("sampling_check", {})
-        print(f"| {r['arm']} | {r.get('healthy_after_s')} | {r.get('openai_completions')}/{r.get('openai_chat')} | "
+        print(f"| {r['arm']} | {r.get('healthy_after_s')} | "
+              f"{r.get('openai_completions')}/{r.get('openai_chat')} | "
               f"{g.get('not_argmax_beyond_tol')} / {g.get('near_ties')} / {g.get('tokens')} | "
               f"{s.get('mean_nll')} vs {s.get('mean_entropy')} | {r.get('mixed_ok')} | "
               f"{r.get('accept_length')} | {r.get('budget_steps')} | "

@@ -4,7 +4,8 @@ interleaved order that compares arms within a few percent.
 A cell is `repeats` measurements; each keeps `conc` requests in flight per replica until it
 has run `min_cell_seconds` and sent `min_cell_requests` (one round of requests where neither is
 set): time bounds a cell, a request count may extend it but never ends it early (at c = 64 a
-request count alone ended cells after half a second, too short to measure).  Measured one arm after another, a machine that drifts (another tenant, clocks, a host
+request count alone ended cells after half a second, too short to measure).  Measured one arm
+after another, a machine that drifts (another tenant, clocks, a host
 that gets slower for minutes: repeats of one cell have spread by up to a quarter)
 lands on whichever arm runs then, which a 3% bar cannot survive.  Interleaved, round r
 measures every arm once (starting at arm r mod n), so drift falls on every arm alike and each

@@ -2,7 +2,8 @@
 streamed requests, a fixed number in flight per replica.
 
 Each request records TTFT (first streamed token), TPOT ((end - first token) / (tokens - 1)),
-its output ids and, through /generate, the server's per-request accept length and verify count.  Requests are spread round-robin
+its output ids and, through /generate, the server's per-request accept length and verify count.
+ Requests are spread round-robin
 over the replicas; `concurrency` is per replica.
 """
 

@@ -3,7 +3,8 @@
 After a verify step the accepted nodes' K/V sit in the tree's slots; the committed sequence
 needs them in slots 0..k of the request's block.  SGLang's generic move compacts the moves of
 the whole batch into a fixed-size list whose unused tail copies slot 0 onto itself; at batch 64
-(1,024 entries x 72 buffers) that tail alone costs milliseconds per step.  Here one program handles one request, one buffer and one byte tile: it loads the
+(1,024 entries x 72 buffers) that tail alone costs milliseconds per step.  Here one program
+handles one request, one buffer and one byte tile: it loads the
 rows that actually move (accepted, and not already in place), waits for every thread, then
 stores, so a path that reads a slot another of its moves writes is still copied correctly.
 

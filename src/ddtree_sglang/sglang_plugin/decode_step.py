@@ -23,7 +23,8 @@ runs five stages over the records of step_records.py, the verify inside its widt
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
 target's top-K per node (greedy) or each depth's draws (sampled), and the grammar-valid tree
-(SGLANG_DDTREE_GRAMMAR_TREE=valid) reads the candidate tree before the verify.  The step reaches the models and DFLASH's buffers only through `io`
+(SGLANG_DDTREE_GRAMMAR_TREE=valid) reads the candidate tree before the verify.  The step
+reaches the models and DFLASH's buffers only through `io`
 (model_io.py); worker.py builds it and captures its graphs.
 """
 
@@ -136,7 +137,8 @@ class DecodeStep:
         # request is never clamped.  (The KV reservation is always the largest width's.)
         patches.clamp_seq_lens(batch, self.io.max_step_seq_len())
         budget_controller, constrained = self.budget_controller, bool(batch.has_grammar)
-        budget = self.settings.budget if budget_controller is None else budget_controller.choose(bs, constrained)
+        budget = self.settings.budget if budget_controller is None else \
+            budget_controller.choose(bs, constrained)
         if budget_controller is not None:
             budget_controller.start_step(bs, budget, constrained)
         return StepPlan(bs=bs, budget=budget, draft_input=draft_input, constrained=constrained)

@@ -78,7 +78,8 @@ class Verified:
 @dataclass(frozen=True)
 class Accepted:
     """The sample-and-accept stage's output: the target's choice at every node [bs, n], what
-    the step commits and where it goes (computed with the walk), the batch's penalty settings (None: no request uses any) and the node
+    the step commits and where it goes (computed with the walk), the batch's penalty settings
+    (None: no request uses any) and the node
     logits as the choice saw them [bs * n, V] (grammar mask, penalties, logit bias applied;
     the committed tokens' logprobs are read off them)."""
 
