@@ -4,9 +4,12 @@ statistics learned, against the brute-force optimum."""
 import pytest
 import torch
 
-from ddtree_sglang.budget import BudgetController, LiveStepCosts
-from ddtree_sglang.sglang_plugin.budget_controller import (GPUBudgetController, LaggedHostCopy,
-                                                         StepTimer, _HostMark, verify_costs)
+pytest.importorskip("sglang", reason="the budget controller's SGLang side imports SGLang")
+
+from ddtree_sglang.budget import BudgetController, LiveStepCosts  # noqa: E402
+from ddtree_sglang.sglang_plugin.budget_controller import (GPUBudgetController,  # noqa: E402
+                                                         LaggedHostCopy, StepTimer, _HostMark,
+                                                         verify_costs)
 
 BUDGETS = [7, 15, 32]
 DEPTH = 4

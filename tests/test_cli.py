@@ -1,5 +1,6 @@
 """Every command-line tool ends bad input in one line naming the value or file, exit code 2,
 no traceback, before any long work starts."""
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -9,6 +10,8 @@ import pytest
 from ddtree_sglang import demo
 
 ROOT = Path(__file__).resolve().parents[1]
+NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="the script compiles Triton kernels")
 TESTBED = ROOT / "testbed"
 
 
@@ -96,9 +99,12 @@ def test_reference_loop_refuses_output_past_the_positions():
     ("scripts/train_testbed.py", ["--soft-weight", "nan"], "expected a finite number"),
     ("benchmarks/tree_build.py", ["--depth", "0"], "argument --depth: expected a positive integer"),
     ("benchmarks/tree_build.py", [], "needs a CUDA GPU"),
-    ("benchmarks/tree_kernel_compile.py", ["--budgets", "999"], "999 is outside the kernel's 1..256"),
-    ("benchmarks/tree_kernel_compile.py", ["--kernel-file", "/nonexistent"], "/nonexistent: no such file"),
-    ("benchmarks/tree_attention_registers.py", ["--archs", "80"], "--archs: accepted 90 (H200) and 120"),
+    pytest.param("benchmarks/tree_kernel_compile.py", ["--budgets", "999"],
+                 "999 is outside the kernel's 1..256", marks=NEEDS_TRITON),
+    pytest.param("benchmarks/tree_kernel_compile.py", ["--kernel-file", "/nonexistent"],
+                 "/nonexistent: no such file", marks=NEEDS_TRITON),
+    pytest.param("benchmarks/tree_attention_registers.py", ["--archs", "80"],
+                 "--archs: accepted 90 (H200) and 120", marks=NEEDS_TRITON),
 ])
 def test_scripts_refuse_bad_input_in_one_line(script, argv, needle, monkeypatch, capsys):
     """Run as `python <script> ...` would, in this process (a subprocess each cost seconds of

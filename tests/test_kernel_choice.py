@@ -28,6 +28,7 @@ def test_the_default_set_is_the_pytorch_references():
 
 
 def test_a_wrong_or_broken_tree_kernel_is_caught(monkeypatch):
+    pytest.importorskip("triton", reason="the kernels are Triton's")
     from ddtree_sglang.kernels import tree_build
 
     def wrong(logits, budget, top=torch_top_log_probs):  # every token off by one
@@ -47,6 +48,7 @@ def test_a_wrong_or_broken_tree_kernel_is_caught(monkeypatch):
 
 
 def test_a_failing_logsumexp_or_top_k_kernel_is_caught(monkeypatch):
+    pytest.importorskip("triton", reason="the kernels are Triton's")
     from ddtree_sglang.kernels import logsumexp, topk
 
     def broken(x, block=2048):
@@ -66,6 +68,7 @@ def test_a_failing_logsumexp_or_top_k_kernel_is_caught(monkeypatch):
 
 
 def test_random_verified_trees_and_a_failing_accept_kernel(monkeypatch):
+    pytest.importorskip("triton", reason="the kernels are Triton's")
     from ddtree_sglang.kernels import accept
 
     tokens, parents, depths, choice = random_verified_trees(3, 20, 4, 3, torch.Generator(), "cpu")

@@ -81,6 +81,7 @@ def test_tree_attention_compiles_for_the_gpus_we_serve_on(arch):
 def test_tree_attention_default_tile_follows_the_h200_measurements():
     """32 keys a step always; one 128-row block for a tree of 65-128 grouped rows from batch 8
     on (read the prefix once), 64-row blocks at batch 1 or for other tree sizes."""
+    pytest.importorskip("triton", reason="the kernels are Triton's")
     from ddtree_sglang.kernels.tree_attention import BLOCK_NS, WARPS, default_tile
 
     assert default_tile(1, 64) == (64, 32) and default_tile(64, 64) == (64, 32)
@@ -96,6 +97,7 @@ def test_tree_attention_default_tile_follows_the_h200_measurements():
 def test_tree_attention_splits_the_prefix_for_two_waves_of_the_gpus_sms():
     """Short batches split each prefix across programs until about two waves of the GPU's SMs
     are busy (H200: 132, RTX Pro 6000: 188); a full batch is not split (the fused launch)."""
+    pytest.importorskip("triton", reason="the kernels are Triton's")
     from ddtree_sglang.kernels.tree_attention import prefix_splits
 
     assert prefix_splits(1, 8, 1) == 32           # 264 // 8 = 33, capped at 32

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ddtree_sglang.draft_tree_builder import build_draft_tree
-from ddtree_sglang.kernels.kv_move import move_rows_reference
 from ddtree_sglang.step_ops import accept_stage, commit_stage, unpack_commit_stage
 from ddtree_sglang.verify_layout import build_verify_layout
 
@@ -44,7 +43,8 @@ def test_commit_slots_and_moves_follow_the_paged_positions(page):
         DEPTH, width))
     kv = torch.full((BS * ROW, 1), -1, dtype=torch.int64)
     kv[verify_slots.reshape(-1), 0] = torch.arange(BS * n)  # each slot holds its node's row
-    move_rows_reference([kv], slots.kv_target, slots.kv_source)
+    moved = kv[slots.kv_source.reshape(-1)].clone()  # every source read before any write
+    kv[slots.kv_target.reshape(-1)] = moved
     for r in range(BS):  # the reference, token by token
         k = int(step.commit_lens[r])
         path = step.accept_index[r, :k].tolist()
