@@ -3,12 +3,13 @@ script sets TRITON_INTERPRET before importing triton, so it runs in its own proc
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 
-@pytest.mark.parametrize("script, marker", [
+CHECKS = [
     ("kernel_interpret_check.py", "KERNEL OK"),        # fused tree selection vs draft_tree_builder.py
     ("kv_move_interpret_check.py", "KV MOVE OK"),      # accepted-KV move vs its reference
     ("logsumexp_interpret_check.py", "LOGSUMEXP OK"),  # float32 logsumexp vs torch
@@ -18,12 +19,27 @@ import pytest
     ("verify_attention_interpret_check.py", "VERIFY ATTENTION OK"),
     # two-launch tree-verify attention vs its float32 reference and SGLang's masked kernel
     ("tree_attention_interpret_check.py", "TREE ATTENTION OK"),
-])
-def test_kernel_matches_its_reference(script, marker):
+]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Every check script started at once, two at a time (each is one single-threaded
+    interpreter process: the CI machine's two cores run them side by side)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+
+    def run(script):
+        return subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env,
+                              capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(2) as pool:
+        yield {script: pool.submit(run, script) for script, _ in CHECKS}
+
+
+@pytest.mark.parametrize("script, marker", CHECKS)
+def test_kernel_matches_its_reference(script, marker, interpreted):
+    proc = interpreted[script].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert marker in proc.stdout
 
