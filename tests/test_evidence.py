@@ -189,12 +189,13 @@ def test_a_call_runs_the_next_slice_against_stand_in_servers(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests'}:{ROOT / 'src'}")
     plan_path = write_plan(tmp_path, PLAN.replace("rounds: 2", "rounds: 1").replace(
+        "arms: [plain, dflash, ddtree-auto], kinds", "arms: [plain, ddtree-auto], kinds").replace(
         "\nseconds: 4\n", "\nseconds: 0.3\nstartup_seconds: 5"
                                                   "\nlauncher_module: fake_sglang_server\n"))
     results, out = tmp_path / "results", tmp_path / "out"
     args = ["--plan", str(plan_path), "--results", str(results)]
-    # a level of g-json needs ~5 + 2 kinds x 3 arms x 1 round x 1.8 s: not in 10 s
-    assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "10",
+    # a level of g-json needs ~5 + 2 kinds x 2 arms x 1 round x 1.8 s: not in 8 s
+    assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "8",
                                      "--only", "g-json"]) == 0
     assert "skip g-json" in capsys.readouterr().out and not out.exists()
     assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "300",
