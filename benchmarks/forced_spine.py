@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ddtree_sglang.bench import forced_spine as fs  # noqa: E402
-from ddtree_sglang.bench.grammars import KINDS, kind_names  # noqa: E402
+from ddtree_sglang.bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 
 KIND_LIST = ["tool_call", "json_bounded", "json", "regex"]
@@ -92,7 +92,7 @@ def main() -> None:
             continue
         compiler = xgr.GrammarCompiler(v.info)
         for kind in args.kinds:
-            matcher = xgr.GrammarMatcher(fs.compile_kind(compiler, kind))
+            matcher = xgr.GrammarMatcher(compile_kind(compiler, kind))
             cost = fs.spine_cost(matcher, v.encode(KINDS[kind].sample), v.encode)
             res["cost"].append(dict(vocab=v.name, kind=kind, **cost))
             print(json.dumps(res["cost"][-1]), flush=True)

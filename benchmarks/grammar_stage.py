@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddtree_sglang.bench.grammars import KINDS, kind_names  # noqa: E402
+from ddtree_sglang.bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 from ddtree_sglang.grammar_masks import (TOP_K, PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          sample_paths, unpack_bitmask, walk_paths)
@@ -87,15 +87,6 @@ def tekken_vocab() -> Vocab:
 
 
 VOCABS = {"testbed": testbed_vocab, "tekken": tekken_vocab}
-
-
-def compile_kind(compiler, name: str):
-    kind = KINDS[name]
-    if kind.param == "json_schema":
-        return compiler.compile_json_schema(kind.value, any_whitespace=False)
-    if kind.param == "regex":
-        return compiler.compile_regex(kind.value)
-    return compiler.compile_grammar(kind.value)
 
 
 def allowed(matcher, vocab: int) -> list[int]:

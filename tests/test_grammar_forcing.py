@@ -110,3 +110,17 @@ def test_force_needs_the_tokenizer(matchers):
     matcher_of, vocab = matchers
     with pytest.raises(ValueError, match="force needs encode"):
         ConstrainedRequest(matcher_of("regex"), vocab, force=True)
+
+
+def test_the_spine_s_cost_is_timed_along_a_sample_output(pair, matchers):
+    """benchmarks/forced_spine.py's host-cost column: one spine per position of a sample the
+    grammar accepts, the share of positions with a spine and its mean length."""
+    from ddtree_sglang.bench.forced_spine import spine_cost
+    from ddtree_sglang.bench.grammars import KINDS
+
+    matcher_of, _ = matchers
+    encode = encoder(pair)
+    sample = encode(KINDS["tool_call"].sample)
+    cost = spine_cost(matcher_of("tool_call"), sample, encode)
+    assert cost["steps"] == len(sample) and 0 < cost["with_spine"] < 1
+    assert cost["spine_len"] > 1 and cost["us_median"] >= 0

@@ -98,3 +98,8 @@ class SpineStats:
         self.proposed += len(spine)
         self.accepted += min(accepted_nodes, len(spine))
         self.refused_first += accepted_nodes == 0
+
+    def __add__(self, other: "SpineStats") -> "SpineStats":
+        return SpineStats(self.steps + other.steps, self.proposed + other.proposed,
+                          self.accepted + other.accepted,
+                          self.refused_first + other.refused_first)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ddtree_sglang.bench.grammars import KINDS
+from ddtree_sglang.bench.grammars import compile_kind
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,15 +31,6 @@ def testbed_grammars(pair, kinds: list[str]) -> tuple[Callable[[str], object], i
     compiler = xgr.GrammarCompiler(info)
     compiled = {k: compile_kind(compiler, k) for k in kinds}
     return (lambda k: xgr.GrammarMatcher(compiled[k])), info.vocab_size
-
-
-def compile_kind(compiler, name: str):
-    kind = KINDS[name]
-    if kind.param == "json_schema":
-        return compiler.compile_json_schema(kind.value, any_whitespace=False)
-    if kind.param == "regex":
-        return compiler.compile_regex(kind.value)
-    return compiler.compile_grammar(kind.value)
 
 
 def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
@@ -65,7 +56,7 @@ def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
             committed += sum(res.accept_lens)
             tokens.append(res.tokens)
             if force:
-                stats = req.stats if stats is None else _add(stats, req.stats)
+                stats = req.stats if stats is None else stats + req.stats
         key = "forced" if force else "plain"
         row[f"accept_{key}"] = round(committed / max(steps, 1), 3)
         outs[key] = tokens
@@ -81,13 +72,6 @@ def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
     else:  # seeded draws are a function of (seed, position): the same output either way
         row["forced_equals_unforced"] = outs["plain"] == outs["forced"]
     return row
-
-
-def _add(a, b):
-    from ddtree_sglang.grammar_forcing import SpineStats
-
-    return SpineStats(a.steps + b.steps, a.proposed + b.proposed, a.accepted + b.accepted,
-                      a.refused_first + b.refused_first)
 
 
 def spine_cost(matcher, sample: list[int], encode: Callable[[str], list[int]],

@@ -86,3 +86,15 @@ def sampling_constraint(name: str) -> dict[str, str]:
         return {}
     kind = KINDS[name]
     return {kind.param: kind.value}
+
+
+def compile_kind(compiler, name: str):
+    """The kind's grammar compiled by an xgrammar GrammarCompiler (JSON without free whitespace,
+    as the servers run it: --constrained-json-disable-any-whitespace)."""
+    kind = KINDS[name]
+    if kind.param == "json_schema":
+        return compiler.compile_json_schema(kind.value, any_whitespace=False)
+    if kind.param == "regex":
+        return compiler.compile_regex(kind.value)
+    return compiler.compile_grammar(kind.value)
+
