@@ -122,6 +122,10 @@ def cmd_run(args) -> int:
     have = evidence.counts(evidence.read_slices(args.results))
     todo = evidence.next_slices(plan, have)
     if args.only:
+        unknown = sorted(set(args.only) - {s.id for s in plan.slices})
+        if unknown:
+            raise CliError(f"--only: unknown slice(s) {', '.join(unknown)}; accepted: "
+                           f"{', '.join(s.id for s in plan.slices)}")
         todo = [(s, lv) for s, lv in todo if s.id in args.only]
     from ddtree_sglang.bench.server import stop_servers_on_sigterm
 

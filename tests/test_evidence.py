@@ -169,6 +169,9 @@ def test_adopt_files_returned_slices_and_refuses_to_overwrite(tmp_path, capsys):
     assert evidence_cli.main(args + ["adopt", str(tmp_path / "empty")]) == 2
     assert evidence_cli.main(args + ["next"]) == 0
     assert "g-json (item 1, c = 1, 16)" in capsys.readouterr().out
+    assert evidence_cli.main(args + ["run", "--out", str(tmp_path / "o"), "--only", "g-jsn"]) == 2
+    assert "--only: unknown slice(s) g-jsn; accepted: g-json, verdict, e2e" in \
+        capsys.readouterr().err
 
 
 def test_the_shipped_plan_is_valid_and_every_phase_exists_in_gpu_run():
