@@ -53,6 +53,31 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def forced_children(args, res: dict, pair, matcher_of, vocab: int) -> None:
+    """Greedy rows: no spine, the spine, the spine plus forced children."""
+    for kind in args.kinds:
+        for budget in args.budgets:
+            row = fs.run_kind(pair, matcher_of, vocab, kind, budget, args.prompts,
+                              args.max_new_tokens, 0.0, tuple(fs.VARIANTS))
+            print(json.dumps(row), flush=True)
+            res["rows"].append(row)
+    (args.out / "children.json").write_text(json.dumps(res, indent=1))
+    m = res["meta"]
+    lines = [f"# Forced children on the CPU, {m['date']}", "",
+             f"Command: `{m['command']}` (commit `{m['commit']}`, 2-core CPU machine). Testbed "
+             f"pair in the reference loop, greedy, {m['prompts']} prompts x "
+             f"{m['max_new_tokens']} tokens; accept length without the spine, with it, and with "
+             "it plus forced children (a node after which the grammar admits one token gets it "
+             "as its only child).", "",
+             "| kind | B | no spine | spine | spine + children | outputs |", "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['kind']} | {r['budget']} | {r['accept_plain']:.2f} | "
+                     f"{r['accept_forced']:.2f} | {r['accept_forced_children']:.2f} | "
+                     f"{'= masked AR' if r['equal_to_masked_ar'] else 'DIFFER'} |")
+    (args.out / "children.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +86,9 @@ def main() -> None:
     ap.add_argument("--budgets", type=positive_int_list, default=[15, 31])
     ap.add_argument("--prompts", type=positive_int, default=8)
     ap.add_argument("--max-new-tokens", type=positive_int, default=96)
+    ap.add_argument("--children", action="store_true",
+                    help="greedy only: the spine against the spine plus forced children inside "
+                         "the tree (children.md); no cost table")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import xgrammar as xgr
@@ -74,6 +102,8 @@ def main() -> None:
                          command="python " + " ".join(sys.argv)), rows=[], cost=[])
     pair = load_testbed()
     matcher_of, vocab = fs.testbed_grammars(pair, args.kinds)
+    if args.children:
+        return forced_children(args, res, pair, matcher_of, vocab)
     for kind in args.kinds:
         for budget in args.budgets:
             for temperature in (0.0, 1.0):

@@ -124,3 +124,34 @@ def test_the_spine_s_cost_is_timed_along_a_sample_output(pair, matchers):
     cost = spine_cost(matcher_of("tool_call"), sample, encode)
     assert cost["steps"] == len(sample) and 0 < cost["with_spine"] < 1
     assert cost["spine_len"] > 1 and cost["us_median"] >= 0
+
+
+def test_forced_children_take_a_node_s_only_child_and_nothing_else_changes():
+    """forced_child_tree: with nothing forced it is the B-best tree; a node after which the
+    grammar admits one token gets that token as its only child, with the node's own score."""
+    from ddtree_sglang.grammar_forcing import forced_child_tree
+
+    logits = torch.randn(1, 5, 30, generator=torch.Generator().manual_seed(0))
+    lp = torch.log_softmax(logits, -1)[0]
+    free = forced_child_tree(lp, 12, lambda prefix: None)
+    ref = build_draft_tree(logits, 12)
+    assert torch.equal(free.tokens, ref.tokens) and torch.equal(free.parents, ref.parents)
+    assert torch.allclose(free.scores, ref.scores)
+    first = int(ref.tokens[0, 0])
+    tree = forced_child_tree(lp, 12, lambda prefix: 7 if prefix == (first,) else None)
+    kids = (tree.parents[0] == 0).nonzero().view(-1).tolist()  # the children of node 0
+    assert [int(tree.tokens[0, c]) for c in kids] == [7]
+    assert torch.isclose(tree.scores[0, kids[0]], tree.scores[0, 0])
+    assert (tree.parents[0, 1:] < torch.arange(1, 12)).all()  # parents before children
+
+
+def test_greedy_outputs_with_forced_children_equal_masked_decoding(pair, matchers):
+    from ddtree_sglang.reference.constrained import ConstrainedRequest
+
+    matcher_of, vocab = matchers
+    spec, prompt = pair.speculator, pair.encode(pair.prompts[2])
+    ar = spec.generate(prompt, 24, mode="ar",
+                       grammar=ConstrainedRequest(matcher_of("regex"), vocab))
+    req = ConstrainedRequest(matcher_of("regex"), vocab, encoder(pair), force=True,
+                             force_children=True)
+    assert spec.generate(prompt, 24, mode="ddtree", budget=15, grammar=req).tokens == ar.tokens

@@ -1,4 +1,5 @@
-"""Tokens the grammar forces, put into the draft tree: a *forced spine* at the root.
+"""Tokens the grammar forces, put into the draft tree: a *forced spine* at the root, and
+*forced children* inside it.
 
 In JSON mode and tool calls much of the output is fixed by the schema (key names, quotes,
 colons, `"arguments": {`, closing brackets).  The DFlash drafter does not know the schema, so
@@ -14,6 +15,11 @@ spine's token with probability 1 (every other token a log-probability of -FORCED
 the best-first tree puts the f spine nodes first, its score 0, then grows below them from the
 drafter's distributions of positions f + 1 ..; the B nodes are counted as ever (a forced node
 costs a verify row, not a guess).
+
+Inside the tree, where the grammar state at a node admits exactly one token, that token is the
+node's only child (`forced_child_tree`, with log-probability 0, its subtree growing from the
+next positions' distributions): a best-first heap over the request's prefixes, on the host,
+asking the grammar at each node it pops.
 
 Exact, as everything else is: the target still chooses at every node under the grammar's mask,
 and the walk follows its choices; only which tokens are verified changes.  Greedy: a spine
@@ -103,3 +109,54 @@ class SpineStats:
         return SpineStats(self.steps + other.steps, self.proposed + other.proposed,
                           self.accepted + other.accepted,
                           self.refused_first + other.refused_first)
+
+
+def forced_child_tree(log_probs: torch.Tensor, budget: int,
+                      forced_after: Callable[[tuple[int, ...]], int | None]):
+    """One request's B best prefixes (a DraftTree of batch 1) where a node after which
+    `forced_after(prefix)` names a token has that token as its only child, certain (log-prob
+    0); every other node's children are the drafter's at the next position, best first.
+    log_probs [depth, vocab]: the drafter's log-probabilities (forced spine positions already
+    certain).  Prefixes come out best first, each parent before its children."""
+    import heapq
+
+    from ddtree_sglang.draft_tree import DraftTree
+
+    depth, vocab = log_probs.shape
+    k = min(budget, vocab)
+    top_lp, top_ids = torch.topk(log_probs.double(), k, dim=-1)
+    lp, ids = top_lp.tolist(), top_ids.tolist()
+    nodes: list[tuple[float, tuple[int, ...], int]] = []  # (score, prefix, parent)
+    # entries: (-score, order, prefix, rank (None: forced), parent); `order` breaks ties
+    # by push order, which is the builders' rank order within a parent
+    heap: list = []
+    counter = 0
+
+    def children(prefix: tuple[int, ...], score: float, parent: int) -> None:
+        nonlocal counter
+        d = len(prefix)
+        if d == depth:
+            return
+        forced = forced_after(prefix)
+        if forced is not None:
+            entry = (-score, counter, prefix + (forced,), None, parent)
+        else:
+            entry = (-(score + lp[d][0]), counter, prefix + (ids[d][0],), 0, parent)
+        counter += 1
+        heapq.heappush(heap, entry)
+
+    children((), 0.0, -1)
+    while heap and len(nodes) < budget:
+        neg, _, prefix, rank, parent = heapq.heappop(heap)
+        nodes.append((-neg, prefix, parent))
+        d = len(prefix) - 1
+        if rank is not None and rank + 1 < k:  # the next sibling at this position
+            heapq.heappush(heap, (neg + lp[d][rank] - lp[d][rank + 1], counter,
+                                  prefix[:-1] + (ids[d][rank + 1],), rank + 1, parent))
+            counter += 1
+        children(prefix, -neg, len(nodes) - 1)
+    return DraftTree(tokens=torch.tensor([[p[-1] for _, p, _ in nodes]]),
+                     parents=torch.tensor([[q for _, _, q in nodes]]),
+                     depths=torch.tensor([[len(p) for _, p, _ in nodes]]),
+                     scores=torch.tensor([[sc for sc, _, _ in nodes]], dtype=torch.float32))
+

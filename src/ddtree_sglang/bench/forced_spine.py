@@ -33,9 +33,16 @@ def testbed_grammars(pair, kinds: list[str]) -> tuple[Callable[[str], object], i
     return (lambda k: xgr.GrammarMatcher(compiled[k])), info.vocab_size
 
 
+VARIANTS = {"plain": dict(), "forced": dict(force=True),
+            "forced_children": dict(force=True, force_children=True)}
+
+
 def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
-             max_new_tokens: int, temperature: float = 0.0) -> dict:
-    """Every prompt with and without the spine (and masked AR when greedy)."""
+             max_new_tokens: int, temperature: float = 0.0,
+             variants: tuple[str, ...] = ("plain", "forced")) -> dict:
+    """Every prompt without the spine and with each variant of VARIANTS (and masked AR when
+    greedy): accept length per variant (`accept_<variant>`), the spine's counts, and whether
+    every variant committed the same tokens as the reference."""
     from ddtree_sglang.reference.constrained import ConstrainedRequest
     from ddtree_sglang.sampling import SamplingParams
 
@@ -44,33 +51,32 @@ def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
     sampling = SamplingParams(temperature=temperature, seed=7 if temperature else None)
     row: dict = dict(kind=kind, budget=budget, temperature=temperature)
     outs: dict = {}
-    for force in (False, True):
+    for variant in variants:
         steps = committed = 0
         stats = None
         tokens = []
         for p in pair.prompts[:prompts]:
-            req = ConstrainedRequest(matcher_of(kind), vocab, encode, force=force)
+            req = ConstrainedRequest(matcher_of(kind), vocab, encode, **VARIANTS[variant])
             res = spec.generate(pair.encode(p), max_new_tokens, mode="ddtree", budget=budget,
                                 sampling=sampling, grammar=req)
             steps += len(res.accept_lens)
             committed += sum(res.accept_lens)
             tokens.append(res.tokens)
-            if force:
-                stats = req.stats if stats is None else stats + req.stats
-        key = "forced" if force else "plain"
-        row[f"accept_{key}"] = round(committed / max(steps, 1), 3)
-        outs[key] = tokens
-        if force and stats is not None:
+            stats = req.stats if stats is None else stats + req.stats
+        row[f"accept_{variant}"] = round(committed / max(steps, 1), 3)
+        outs[variant] = tokens
+        if variant == "forced":
             row.update(spine_steps=stats.steps, spine_proposed=stats.proposed,
                        spine_accepted=stats.accepted, spine_refused_first=stats.refused_first)
-    row["gain"] = round(row["accept_forced"] / row["accept_plain"], 3)
+    if "forced" in outs:
+        row["gain"] = round(row["accept_forced"] / row["accept_plain"], 3)
     if temperature == 0:
         ar = [spec.generate(pair.encode(p), max_new_tokens, mode="ar",
                             grammar=ConstrainedRequest(matcher_of(kind), vocab)).tokens
               for p in pair.prompts[:prompts]]
-        row["equal_to_masked_ar"] = outs["plain"] == ar and outs["forced"] == ar
+        row["equal_to_masked_ar"] = all(out == ar for out in outs.values())
     else:  # seeded draws are a function of (seed, position): the same output either way
-        row["forced_equals_unforced"] = outs["plain"] == outs["forced"]
+        row["forced_equals_unforced"] = all(out == outs["plain"] for out in outs.values())
     return row
 
 

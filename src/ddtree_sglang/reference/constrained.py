@@ -22,12 +22,15 @@ from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks, unpack_bitma
 class ConstrainedRequest:
     """matcher: the request's grammar matcher (xgrammar.GrammarMatcher) at the prompt's end;
     vocab: the target's vocabulary size; encode: the target's tokenizer (str -> ids), needed
-    with `force`, which puts the grammar's forced continuation at the root of every tree."""
+    with `force`, which puts the grammar's forced continuation at the root of every tree;
+    `force_children`: a node after which the grammar admits one token has it as its only
+    child (grammar_forcing.forced_child_tree)."""
 
     matcher: Any
     vocab: int
     encode: Callable[[str], list[int]] | None = None
     force: bool = False
+    force_children: bool = False
     stats: SpineStats = field(default_factory=SpineStats)
 
     def __post_init__(self) -> None:
@@ -40,6 +43,22 @@ class ConstrainedRequest:
         if not self.force:
             return []
         return forced_tokens(self.matcher, self.encode, depth)
+
+    def forced_after(self, prefix: tuple[int, ...]) -> int | None:
+        """The one token the grammar admits after the committed tokens and `prefix`, or None
+        (several, or a prefix the grammar refuses); the matcher is left where it was."""
+        taken = 0
+        for t in prefix:
+            if not self.matcher.accept_token(t):
+                break
+            taken += 1
+        only = None
+        if taken == len(prefix) and not self.matcher.is_terminated():
+            allowed = self.allowed_next("cpu")[0].nonzero().view(-1)
+            only = int(allowed[0]) if allowed.numel() == 1 else None
+        if taken:
+            self.matcher.rollback(taken)
+        return only
 
     def forced(self, spine: list[int], depth: int) -> torch.Tensor:
         return forced_rows([spine], depth)

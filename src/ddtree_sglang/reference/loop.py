@@ -29,7 +29,7 @@ from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.sampling import SamplingParams, target_choice
 from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree, truncate_tree
-from ddtree_sglang.grammar_forcing import force_draft_logits
+from ddtree_sglang.grammar_forcing import force_draft_logits, forced_child_tree
 from ddtree_sglang.reference.constrained import ConstrainedRequest
 
 Mode = Literal["ar", "chain", "ddtree"]
@@ -188,6 +188,9 @@ class ReferenceSpeculator:
             tree = chain_tree(dl)
         elif isinstance(budget, BudgetController):
             tree, depth_probs = self._chosen_tree(dl, budget)
+        elif grammar is not None and grammar.force_children:
+            tree = forced_child_tree(torch.log_softmax(dl[0].float(), -1).cpu(), budget,
+                                     grammar.forced_after)
         else:
             tree = build_draft_tree(dl, budget)
         root = ids.new_tensor([bonus])
