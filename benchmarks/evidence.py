@@ -37,30 +37,13 @@ MAX_SLICES_PER_CALL = 2
 LOG_TAIL_LINES = 3000
 
 
-def _device() -> str:
-    try:
-        import torch
-
-        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
-
-
 def _meta(s: evidence.SlicePlan, plan: evidence.EvidencePlan, levels: list[int]) -> dict:
-    cfg_meta = run._meta(evidence.slice_config(plan, s, ROOT, levels or None)
-                         if not s.phase else _phase_cfg(plan), "", None)
     return dict(slice=s.id, item=s.item, what=s.what, date=time.strftime("%Y-%m-%d"),
-                device=cfg_meta["device"], commit=cfg_meta["commit"],
+                device=run.device_name(), commit=run.commit_id(),
                 command="bash scripts/gpu_run.sh evidence", arms=s.arms, kinds=s.kinds,
                 levels=levels, seconds=s.seconds or plan.seconds,
                 rounds=s.rounds or plan.rounds, max_new_tokens=plan.max_new_tokens,
                 phase=s.phase, env=s.env)
-
-
-def _phase_cfg(plan: evidence.EvidencePlan):
-    from ddtree_sglang.bench.config import Arm, BenchConfig
-
-    return BenchConfig(name="evidence-phase", arms=[Arm(name="plain")])
 
 
 def _pack_logs(folder: Path, sources: list[Path]) -> None:
@@ -143,7 +126,7 @@ def cmd_run(args) -> int:
             continue
         taken = [p.name for p in (args.results / s.id).glob("*")] + \
                 [p.name for p in (args.out / s.id).glob("*")]
-        folder = args.out / s.id / evidence.stamp(time.strftime("%Y-%m-%d"), _device(), taken)
+        folder = args.out / s.id / evidence.stamp(time.strftime("%Y-%m-%d"), run.device_name(), taken)
         folder.mkdir(parents=True)
         print(f"slice {s.id} -> {folder} (levels {levels})", flush=True)
         res = run_phase(plan, s, folder, stop_at) if s.phase else run_serving(

@@ -119,12 +119,10 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="merge and report, run nothing")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    import torch
 
     results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), command="python "
-                             + " ".join(sys.argv), commit=run._meta(config(args), "", None)["commit"],
-                             device=torch.cuda.get_device_name() if torch.cuda.is_available()
-                             else "cpu", arms=args.arms, seconds=args.seconds,
+                             + " ".join(sys.argv), commit=run.commit_id(),
+                             device=run.device_name(), arms=args.arms, seconds=args.seconds,
                              rounds=args.rounds, max_new_tokens=args.max_new_tokens),
                    rows=[], greedy_vs_plain={}, failures={})
 

@@ -97,6 +97,9 @@ class Kernels:
                 f"{'triton' if self.logsumexp else 'torch'}, KV move "
                 f"{'triton' if self.kv_move else 'engine'}, verify attention "
                 f"{self.verify_attention}")
+        if self.vocab_shard is not None:
+            used += (f", top-k merged over the tensor-parallel vocabulary shards (this rank's: "
+                     f"{self.vocab_shard.valid} ids from {self.vocab_shard.start})")
         return used + "".join(f"; {name} not used: {why}" for name, why in self.dropped)
 
 

@@ -350,22 +350,30 @@ def write(results: dict, out: Path) -> str:
     return md
 
 
-def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
+def device_name() -> str:
+    """The GPU's name (the first visible), "cpu" without one, "unknown" without torch."""
     try:
         import torch
 
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except ImportError:
-        device = "unknown"
-    commit = os.environ.get("DDTREE_COMMIT")  # the GPU machine gets a copy without .git
+        return "unknown"
+
+
+def commit_id() -> str:
+    """The checkout's commit: DDTREE_COMMIT where the GPU machine's copy has no .git."""
+    commit = os.environ.get("DDTREE_COMMIT")
     try:
-        commit = commit or subprocess.run(
+        return commit or subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=Path.cwd(),
             capture_output=True, text=True).stdout.strip() or "?"
     except OSError:
-        commit = "?"
-    return dict(name=cfg.name, device=device, date=time.strftime("%Y-%m-%d"), commit=commit,
-                command=command, replicas=len(cfg.gpus), gpus=cfg.gpus,
+        return "?"
+
+
+def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
+    return dict(name=cfg.name, device=device_name(), date=time.strftime("%Y-%m-%d"),
+                commit=commit_id(), command=command, replicas=len(cfg.gpus), gpus=cfg.gpus,
                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                 reference_arm=reference, config=cfg.model_dump())
 
