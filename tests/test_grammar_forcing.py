@@ -71,7 +71,7 @@ def test_spine_stats_count_what_the_target_took():
     assert (s.steps, s.proposed, s.accepted, s.refused_first) == (2, 5, 3, 1)
 
 
-@pytest.mark.parametrize("kind", ["tool_call", "json_bounded"])
+@pytest.mark.parametrize("kind", ["tool_call"])  # every kind: benchmarks/forced_spine.py
 def test_greedy_outputs_equal_masked_decoding_with_and_without_the_spine(pair, matchers, kind):
     """The reference loop under the grammar: DDTree with the spine, without it, and masked
     autoregressive greedy commit the same tokens; the spine takes some steps' tokens."""
