@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 from ddtree_sglang.bench.grammars import compile_kind
-
-ROOT = Path(__file__).resolve().parents[3]
-
 
 def testbed_grammars(pair, kinds: list[str]) -> tuple[Callable[[str], object], int]:
     """(kind -> a fresh xgrammar matcher for the testbed tokenizer, vocabulary size)."""

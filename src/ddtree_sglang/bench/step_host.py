@@ -82,7 +82,7 @@ def _paused(counter: OpCounter, fn: Callable, launches: int = 0) -> Callable:
     return run
 
 
-def fake_worker(bs_max: int, counter: OpCounter, width: int):
+def fake_worker(bs_max: int, counter: OpCounter):
     """A DFLASH worker's surface as DFlashModelIO reads it, with stand-in models."""
     feats: dict[int, torch.Tensor] = {}
 
@@ -105,7 +105,7 @@ def fake_worker(bs_max: int, counter: OpCounter, width: int):
         _append_target_hidden_to_draft_kv_by_loc=_paused(counter, lambda **kw: None, 1))
 
 
-def make_batch(bs: int, budget: int) -> SimpleNamespace:
+def make_batch(bs: int) -> SimpleNamespace:
     from ddtree_sglang.sglang_plugin.draft_input import make_draft_input
 
     seq = torch.full((bs,), 200, dtype=torch.int64)
@@ -121,7 +121,7 @@ def make_batch(bs: int, budget: int) -> SimpleNamespace:
 
 
 @contextmanager
-def sglang_stand_ins(counter: OpCounter, n_tokens: Callable[[], int]):
+def sglang_stand_ins(counter: OpCounter):
     """SGLang's calls that DFLASH makes too, stood in for the duration (not counted but for
     their kernel launches): the draft block's preparation and forward, the verify preparation."""
     from ddtree_sglang.sglang_plugin import sglang_api as sg
@@ -164,7 +164,7 @@ def build_step(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCo
                            graphed=False)
     stages.tree = ReplayStandIn(stages._tree, counter)
     stages.accept = ReplayStandIn(stages._accept, counter)
-    worker = fake_worker(bs_max, counter, budget + 1)
+    worker = fake_worker(bs_max, counter)
     hidden = torch.randn(bs_max, BLOCK, HIDDEN)
     io = DFlashModelIO(worker, Kernels(), BLOCK, budget + 1, VOCAB)
     io.draft_block = _paused(counter, lambda batch, d: hidden[: len(batch.seq_lens)], 1)
@@ -216,13 +216,13 @@ def measure(bs: int, budget: int, budgets: tuple[int, ...], steps: int = 200,
     step = build_step(max(bs, 1), budget, budgets, counter)
     clock = StageTimes(counter)
     step.clock = clock
-    with sglang_stand_ins(counter, lambda: 0), torch.inference_mode():
+    with sglang_stand_ins(counter), torch.inference_mode():
         for _ in range(warmup + steps):
-            step.run(make_batch(bs, budget))
+            step.run(make_batch(bs))
         timed = clock.steps[warmup:]
         counted = []
         for _ in range(5):
-            batch = make_batch(bs, budget)
+            batch = make_batch(bs)
             counter.count, counter.by_op = 0, Counter()
             with counter:
                 step.run(batch)

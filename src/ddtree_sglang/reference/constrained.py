@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddtree_sglang.grammar_forcing import SpineStats, forced_rows, forced_tokens
+from ddtree_sglang.grammar_forcing import SpineStats, forced_tokens
 from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks, unpack_bitmask
 
 
@@ -59,9 +59,6 @@ class ConstrainedRequest:
         if taken:
             self.matcher.rollback(taken)
         return only
-
-    def forced(self, spine: list[int], depth: int) -> torch.Tensor:
-        return forced_rows([spine], depth)
 
     def allowed_next(self, device) -> torch.Tensor:
         """[1, V] bool: the tokens the grammar allows after the committed ones."""

@@ -29,7 +29,7 @@ from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.sampling import SamplingParams, target_choice
 from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree, truncate_tree
-from ddtree_sglang.grammar_forcing import force_draft_logits, forced_child_tree
+from ddtree_sglang.grammar_forcing import force_draft_logits, forced_child_tree, forced_rows
 from ddtree_sglang.reference.constrained import ConstrainedRequest
 
 Mode = Literal["ar", "chain", "ddtree"]
@@ -182,7 +182,7 @@ class ReferenceSpeculator:
         dl = self.draft_logits(feats, bonus)
         spine = grammar.spine(self.cfg.draft_depth) if grammar is not None else []
         if spine:
-            dl = force_draft_logits(dl, grammar.forced(spine, self.cfg.draft_depth).to(dl.device))
+            dl = force_draft_logits(dl, forced_rows([spine], self.cfg.draft_depth).to(dl.device))
         depth_probs = None
         if mode == "chain":
             tree = chain_tree(dl)

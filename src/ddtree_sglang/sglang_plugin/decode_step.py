@@ -120,11 +120,11 @@ class DecodeStep:
     def begin_step(self, batch) -> StepPlan:
         """The step's plan (batch size, budget, the relay state it starts from); starts the
         step clock and the budget controller's step.  The one place the step itself changes
-        the batch it is given: seq_lens clamped (below).  Two writes happen where SGLang's
-        conventions put them: its verify preparation's fields (model_io.DFlashModelIO.
-        target_verify; no stage reads them back: the tree's KV slots travel in Verified) and
-        the reset of sampling_info.grammar_mask, which would otherwise carry the prefill's
-        mask into the step (grammar_stage.start_grammar_step)."""
+        the batch it is given: seq_lens clamped (below).  Two more writes happen where SGLang's
+        conventions put them, each through patches.py: its verify preparation's fields
+        (model_io.DFlashModelIO.target_verify; no stage reads them back: the tree's KV slots
+        travel in Verified) and the reset of sampling_info.grammar_mask, which would otherwise
+        carry the prefill's mask into the step (grammar_stage.start_grammar_step)."""
         draft_input = batch.spec_info
         if not isinstance(draft_input, sg.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
@@ -149,7 +149,7 @@ class DecodeStep:
         is reported when traced); the step clock stops."""
         if self.budget_controller is not None:
             self.budget_controller.observe(plan.bs, plan.budget, tree.depth_probs,
-                                  accepted.commit.commit_lens, plan.constrained)
+                                           accepted.commit.commit_lens, plan.constrained)
             if self.settings.budget_trace:
                 patches.report_per_request(verified.logits_output, "ddtree_budget",
                                            [plan.budget] * plan.bs)
@@ -181,16 +181,16 @@ class DecodeStep:
         grammars hold the previous step's tokens: `grammar_barrier`); with a grammar in the
         batch, the host copy of the tree that the bitmask needs starts here, before the
         verify."""
+        spine = batch.has_grammar and self.settings.grammar_force == "spine"
+        valid = batch.has_grammar and self.settings.grammar_tree == "valid"
+        if (spine or valid) and grammar_barrier is not None:
+            grammar_barrier()  # the grammars hold the previous step's tokens
         inputs = (hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long())
-        if batch.has_grammar and self.settings.grammar_force == "spine":
-            if grammar_barrier is not None:  # the grammars hold the previous step's tokens
-                grammar_barrier()
+        if spine:
             inputs += (grammar_spines(batch.reqs, self.depth, hidden.device),)
         layout, positions, depth_probs = unpack_tree_stage(self.stages.tree(*inputs),
                                                            self.stages.widths)
-        if batch.has_grammar and self.settings.grammar_tree == "valid":
-            if grammar_barrier is not None:
-                grammar_barrier()
+        if valid:
             layout = grammar_valid_layout(batch.reqs, layout, plan.width)
         else:
             layout = truncate_layout(layout, plan.width)

@@ -230,8 +230,10 @@ def grammar_spines(reqs: list, depth: int, device) -> torch.Tensor:
         tokenizer = req.tokenizer
         spines.append([] if matcher is None or tokenizer is None else forced_tokens(
             matcher, lambda s: tokenizer.encode(s, add_special_tokens=False), depth))
-    return forced_rows(spines, depth).pin_memory().to(device, non_blocking=True) \
-        if torch.cuda.is_available() else forced_rows(spines, depth).to(device)
+    rows = forced_rows(spines, depth)
+    if torch.cuda.is_available():
+        rows = rows.pin_memory()
+    return rows.to(device, non_blocking=True)
 
 
 def grammar_valid_layout(reqs: list, layout: VerifyLayout, width: int) -> VerifyLayout:

@@ -63,9 +63,14 @@ def _get(args: Any, name: str) -> Any:
     return getattr(args, name)
 
 
+def missing_fields(args: Any) -> list[str]:
+    """The fields of READ_FIELDS this ServerArgs lacks (an SGLang that renamed them)."""
+    return [f for f in READ_FIELDS if not hasattr(args, f)]
+
+
 def require_fields(args: Any) -> None:
-    """Refuse a ServerArgs without every field of READ_FIELDS (an SGLang that renamed one)."""
-    missing = [f for f in READ_FIELDS if not hasattr(args, f)]
+    """Refuse a ServerArgs without every field of READ_FIELDS."""
+    missing = missing_fields(args)
     if missing:
         from ddtree_sglang.sglang_plugin.contract import SUPPORTED_SGLANG
 
@@ -203,7 +208,7 @@ def tap_error(taps: tuple[int, ...], hf: dict) -> str | None:
 def backend_to_default(args: Any) -> str | None:
     """The attention backend DDTREE chooses, or None when the user chose one (then validate()
     judges it, and refuses arguments without the fields DDTREE reads)."""
-    if any(not hasattr(args, f) for f in READ_FIELDS):
+    if missing_fields(args):
         return None
     if any(_get(args, f) is not None for f in ("attention_backend", "decode_attention_backend",
                                                 "prefill_attention_backend")):
