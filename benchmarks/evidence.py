@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddtree_sglang.bench import evidence, run, slices  # noqa: E402
-from ddtree_sglang.bench.config import ConfigError  # noqa: E402
+from ddtree_bench import evidence, run, slices  # noqa: E402
+from ddtree_bench.config import ConfigError  # noqa: E402
 from ddtree_sglang.cli import CliError, Parser, positive_float  # noqa: E402
 from ddtree_sglang.cli import run as run_cli  # noqa: E402
 
@@ -110,7 +110,7 @@ def cmd_run(args) -> int:
             raise CliError(f"--only: unknown slice(s) {', '.join(unknown)}; accepted: "
                            f"{', '.join(s.id for s in plan.slices)}")
         todo = [(s, lv) for s, lv in todo if s.id in args.only]
-    from ddtree_sglang.bench.server import stop_servers_on_sigterm
+    from ddtree_bench.server import stop_servers_on_sigterm
 
     stop_servers_on_sigterm()
     done, cold = [], True

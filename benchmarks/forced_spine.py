@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ddtree_sglang.bench import forced_spine as fs  # noqa: E402
-from ddtree_sglang.bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
+from ddtree_bench import forced_spine as fs  # noqa: E402
+from ddtree_bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 
 KIND_LIST = ["tool_call", "json_bounded", "json", "regex"]

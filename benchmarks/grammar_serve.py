@@ -26,11 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddtree_sglang.bench import run  # noqa: E402
-from ddtree_sglang.bench.config import Arm, BenchConfig  # noqa: E402
-from ddtree_sglang.bench.grammars import kind_names  # noqa: E402
-from ddtree_sglang.bench.server import stop_servers_on_sigterm  # noqa: E402
-from ddtree_sglang.bench.slices import (goal_lines, grammar_tax, markdown,  # noqa: E402,F401
+from ddtree_bench import run  # noqa: E402
+from ddtree_bench.config import Arm, BenchConfig  # noqa: E402
+from ddtree_bench.grammars import kind_names  # noqa: E402
+from ddtree_bench.server import stop_servers_on_sigterm  # noqa: E402
+from ddtree_bench.slices import (goal_lines, grammar_tax, markdown,  # noqa: E402,F401
                                         measure_slice, ratio_to)
 from ddtree_sglang.cli import positive_float, positive_int, positive_int_list  # noqa: E402
 

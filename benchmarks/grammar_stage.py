@@ -40,13 +40,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddtree_sglang.bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
+from ddtree_bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
-from ddtree_sglang.grammar_masks import (TOP_K, PathWalk, allow_all, fill_tree_masks,  # noqa: E402
+from ddtree_sglang.grammar.masks import (TOP_K, PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          sample_paths, unpack_bitmask, walk_paths)
-from ddtree_sglang.grammar_valid_tree import select_nodes, valid_nodes  # noqa: E402
-from ddtree_sglang.verify_layout import sibling_links  # noqa: E402
-from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree  # noqa: E402
+from ddtree_sglang.grammar.valid_tree import select_nodes, valid_nodes  # noqa: E402
+from ddtree_sglang.tree.verify_layout import sibling_links  # noqa: E402
+from ddtree_sglang.tree.builder import build_draft_tree, chain_tree  # noqa: E402
 
 DEPTH = 15  # a 16-token block: the root and 15 drafted positions
 TREES = ("chain16", "B7", "B15", "B31", "B63")

@@ -11,7 +11,7 @@ projected DDTREE / DFLASH ratio (measured step times x published accept lengths:
 
 import sys
 
-from ddtree_sglang.bench.projection import main
+from ddtree_bench.projection import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,7 @@ machine's scripts call it so); the same arguments, see `ddtree-bench --help`.
 
 import sys
 
-from ddtree_sglang.bench.run import main
+from ddtree_bench.run import main
 
 if __name__ == "__main__":
     sys.exit(main())

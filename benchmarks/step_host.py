@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddtree_sglang.bench.step_host import measure  # noqa: E402
+from ddtree_bench.step_host import measure  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 
 VARIANTS = {"pinned B=32": (32,), "batch-aware 7,15,32": (7, 15, 32)}

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ddtree_sglang.acceptance import accept_tree
-from ddtree_sglang.bench.gpu_timing import graph_replay_ms
+from ddtree_sglang.tree.acceptance import accept_tree
+from ddtree_bench.gpu_timing import graph_replay_ms
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
-from ddtree_sglang.verify_layout import build_verify_layout, full_mask
+from ddtree_sglang.tree.verify_layout import build_verify_layout, full_mask
 from ddtree_sglang.reference.heap import heap_tree
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def triton_build(logits, budget):

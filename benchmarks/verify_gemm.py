@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree_sglang.bench.gpu_timing import graph_replay_ms
+from ddtree_bench.gpu_timing import graph_replay_ms
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, run
 
 # (out_features, in_features) of one Qwen3-8B decoder layer's linears, as SGLang fuses them

@@ -19,8 +19,8 @@ import statistics
 import tarfile
 from pathlib import Path
 
-from ddtree_sglang.bench.server_log import decode_lines, full_load_decode, step_period_ms
-from ddtree_sglang.budget import largest_budget_gain_bound
+from ddtree_bench.server_log import decode_lines, full_load_decode, step_period_ms
+from ddtree_sglang.budget.controller import largest_budget_gain_bound
 
 
 def read_logs(run: Path) -> dict[str, str]:

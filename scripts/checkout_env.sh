@@ -1,6 +1,6 @@
 # Source from the repository root, in a shell whose Python imports torch and SGLang 0.5.17:
 #   source scripts/checkout_env.sh
-# Runs this checkout without installing it: puts src/ on PYTHONPATH and registers the package's
+# Runs this checkout without installing it: puts src/ (and benchmarks/, the harness) on PYTHONPATH and registers the package's
 # SGLang plugin entry point, so `python -m sglang.launch_server --speculative-algorithm DDTREE`
 # finds the plugin.  (`pip install -e .` does the same for good.)
 if ! python -c "import torch, sglang" 2>/dev/null; then
@@ -13,5 +13,5 @@ _dist=/tmp/ddtree-dist/ddtree_sglang-$_version.dist-info
 mkdir -p "$_dist"
 printf 'Metadata-Version: 2.1\nName: ddtree-sglang\nVersion: %s\n' "$_version" > "$_dist/METADATA"
 printf '[sglang.srt.plugins]\nddtree = ddtree_sglang.sglang_plugin.plugin:register\n' > "$_dist/entry_points.txt"
-export PYTHONPATH="$PWD/src:/tmp/ddtree-dist${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks:/tmp/ddtree-dist${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

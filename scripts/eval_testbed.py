@@ -19,7 +19,7 @@ import torch
 
 from ddtree_sglang.cli import CliError, Parser, positive_int, positive_int_list, require_cuda, run
 from ddtree_sglang.reference.testbed import TestbedError, load_testbed
-from ddtree_sglang.sampling import SamplingParams
+from ddtree_sglang.sampling.sample import SamplingParams
 
 
 def main() -> None:

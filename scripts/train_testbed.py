@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ddtree_sglang.cli import (Parser, finite_float, index_list, non_negative_float,
                                non_negative_int, positive_float, positive_int, require_cuda, run)
-from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
+from ddtree_sglang.dflash.config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from testbed_drafter import (drafter_accuracy, log, lr_at,  # scripts/ is on sys.path as a script

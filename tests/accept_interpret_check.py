@@ -3,8 +3,8 @@ interpreter on the CPU (set TRITON_INTERPRET=1 before importing triton; used by
 test_kernels.py)."""
 import torch
 
-from ddtree_sglang.step_ops import accept_stage
-from ddtree_sglang.kernel_choice import check_accept_kernel, random_verified_trees
+from ddtree_sglang.tree.stages import accept_stage
+from ddtree_sglang.kernels.choice import check_accept_kernel, random_verified_trees
 from ddtree_sglang.kernels.accept import accept_stage_triton
 
 

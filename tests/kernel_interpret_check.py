@@ -8,8 +8,8 @@ final tree rarely shows it, so every depth's beam is compared too)."""
 import torch
 
 from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
-from ddtree_sglang.draft_tree import torch_top_log_probs as top_log_probs
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.draft_tree import torch_top_log_probs as top_log_probs
+from ddtree_sglang.tree.builder import build_draft_tree
 
 # (batch, depth, vocab, budget); budgets of 64 and more (the interpreter's slow cases) run
 # random logits only: ties are covered at the small budgets, where they are as likely

@@ -28,7 +28,7 @@ def main() -> None:
             for a, b in zip(buffers, ref):
                 assert torch.equal(a, b), (bs, width, strides)
             cases += 1
-    from ddtree_sglang.kernel_choice import check_kv_move_kernel
+    from ddtree_sglang.kernels.choice import check_kv_move_kernel
 
     assert check_kv_move_kernel("cpu") is None  # the worker's startup check passes
     print("KV MOVE OK", cases)

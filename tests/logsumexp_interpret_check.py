@@ -21,7 +21,7 @@ def main() -> None:
     big = torch.full((1, 300), -1e4, dtype=torch.float16)
     big[0, 7] = 60000.0  # far apart: the running rescale must not overflow
     assert torch.allclose(logsumexp_triton(big, block=128), logsumexp_reference(big))
-    from ddtree_sglang.kernel_choice import _logsumexp_agrees
+    from ddtree_sglang.kernels.choice import _logsumexp_agrees
 
     assert _logsumexp_agrees(1000, "cpu", torch.bfloat16)  # the worker's startup check passes
     print("LOGSUMEXP OK", cases + 1)

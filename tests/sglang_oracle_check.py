@@ -9,9 +9,9 @@ import sys
 
 import torch
 
-from ddtree_sglang.acceptance import accept_tree
-from ddtree_sglang.verify_layout import build_verify_layout, full_mask
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.acceptance import accept_tree
+from ddtree_sglang.tree.verify_layout import build_verify_layout, full_mask
+from ddtree_sglang.tree.builder import build_draft_tree
 from sglang.srt.speculative.eagle_utils import (
     TreeMaskMode, sgl_build_tree_kernel_triton, verify_tree_greedy_triton,
 )

@@ -1,6 +1,6 @@
 import torch
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens
 
 
 def _hand_tree():

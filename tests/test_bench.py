@@ -13,8 +13,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the stand-in server module
 
-from ddtree_sglang.bench import run as serve_bench  # noqa: E402
-from ddtree_sglang.bench.config import BenchConfig, ConfigError, load_config  # noqa: E402
+from ddtree_bench import run as serve_bench  # noqa: E402
+from ddtree_bench.config import BenchConfig, ConfigError, load_config  # noqa: E402
 
 
 def write_config(tmp_path, **overrides):
@@ -195,7 +195,7 @@ def test_shipped_configs_parse(name):
 
 
 def test_cost_projection():
-    from ddtree_sglang.bench.cost_mode import projection
+    from ddtree_bench.cost_mode import projection
 
     rows = [dict(arm="no-spec", algorithm=None, budget=None, batch_size=1, step_ms=10.0),
             dict(arm="ddtree-b32", algorithm="DDTREE", budget=32, batch_size=1, step_ms=20.0)]
@@ -241,8 +241,8 @@ def test_serving_run_split_by_concurrency_merges_and_judges_the_batch_aware_arm(
     """Calls that each measured every arm at some concurrency levels merge cell by cell (not
     arm by arm), rows of the later call carry its command, and the report sets ddtree-auto
     against the best other speculative arm at each level."""
-    from ddtree_sglang.bench import report
-    from ddtree_sglang.bench.run import merge_results
+    from ddtree_bench import report
+    from ddtree_bench.run import merge_results
 
     def row(arm, algo, conc, tok_s):
         return dict(arm=arm, algorithm=algo, budget=None, concurrency=conc, output_tok_s=tok_s,
@@ -280,8 +280,8 @@ def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from ddtree_sglang.bench import cells
-    from ddtree_sglang.bench.config import Arm
+    from ddtree_bench import cells
+    from ddtree_bench.config import Arm
 
     events = []
     monkeypatch.setattr(cells, "warm_up", lambda cfg, urls, *a: events.append(("warm", urls[0])))
@@ -307,7 +307,7 @@ def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
 
 
 def test_round_ratios_pair_the_arms_of_each_round():
-    from ddtree_sglang.bench import report
+    from ddtree_bench import report
 
     def row(arm, rounds, call=None):
         r = dict(arm=arm, algorithm="DDTREE", concurrency=4, rounds_tok_s=rounds,
@@ -344,7 +344,7 @@ def test_cost_mode_checkpoints_load_strictly(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ddtree_sglang.bench.cost_mode import DRAFTER_8B, QWEN3_8B, write_random_models
+    from ddtree_bench.cost_mode import DRAFTER_8B, QWEN3_8B, write_random_models
     from ddtree_sglang.reference.drafter import DFlashDrafter
 
     small = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -373,7 +373,7 @@ def test_cost_mode_arm_filter_is_checked(tmp_path):
 
 
 def test_arm_environment_is_checked_and_reaches_the_server():
-    from ddtree_sglang.bench.config import Arm, CostMode
+    from ddtree_bench.config import Arm, CostMode
 
     cfg = load_config(ROOT / "configs" / "h200_profile_qwen3_8b.yaml")
     split = [a for a in serve_bench.cost_arms(cfg) if a.name.endswith("-split")]
@@ -403,7 +403,7 @@ def test_cost_mode_env_reaches_every_ddtree_arm():
     arms = {a.name: a for a in serve_bench.cost_arms(cfg)}
     assert arms["ddtree-b127"].env == {"SGLANG_DDTREE_TREE_KERNEL": "triton"}
     assert arms["dflash"].env == {} and arms["no-spec"].env == {}
-    from ddtree_sglang.bench.config import CostMode
+    from ddtree_bench.config import CostMode
 
     with pytest.raises(ValueError, match="SGLANG_DDTREE_TREE_KERNEL='fast' is not accepted"):
         CostMode(env={"SGLANG_DDTREE_TREE_KERNEL": "fast"})
@@ -426,7 +426,7 @@ def test_comma_list_arguments():
 def test_profile_stages_name_the_tree_attention_kernel_and_flashinfer_norms():
     """DDTREE's own verify attention counts as attention; FlashInfer's fused RMSNorm (named
     flashinfer::norm::...) as a norm, not as attention (profiles before 2026-12-04 did)."""
-    from ddtree_sglang.bench.profile import stage_of
+    from ddtree_bench.profile import stage_of
 
     assert stage_of("_prefix_kernel") == stage_of("_tree_merge_kernel") == "attention"
     assert stage_of("_fwd_kernel") == "attention"
@@ -439,7 +439,7 @@ def test_profile_kernel_table_from_a_trace(tmp_path):
     """Per-step kernel time, stage sums and the GPU idle time inside the profiled span."""
     import gzip
 
-    from ddtree_sglang.bench import profile
+    from ddtree_bench import profile
 
     events = [  # two steps: [0, 10) gemm, [12, 15) attention; [20, 30) gemm, [25, 28) sort
         dict(ph="X", cat="kernel", name="nvjet_tst_128x256", ts=0, dur=10),
@@ -478,7 +478,7 @@ def test_profile_kernel_table_from_a_trace(tmp_path):
 
 
 def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):
-    from ddtree_sglang.bench import projection
+    from ddtree_bench import projection
 
     rows = [dict(arm="dflash", batch_size=1, step_ms=8.0), dict(arm="dflash", batch_size=8, step_ms=10.0),
             dict(arm="ddtree-b16", batch_size=1, step_ms=9.0),
@@ -500,7 +500,7 @@ def test_budget_projection_picks_the_best_rate_per_batch(tmp_path, capsys):
 def test_budget_projection_joins_cost_runs_by_ratio_and_interpolates_tau(tmp_path, capsys):
     """Two calls, each with its own DFLASH: DDTREE steps rescaled to the first call's DFLASH;
     only the asked-for variant's arms; unpublished budgets get a log-linear accept length."""
-    from ddtree_sglang.bench import projection
+    from ddtree_bench import projection
 
     first = [dict(arm="dflash", batch_size=1, step_ms=8.0),
              dict(arm="ddtree-b15-kernel", batch_size=1, step_ms=7.6),
@@ -553,7 +553,7 @@ def test_cells_repeat_and_run_to_their_minimum(tmp_path, fake_env):
 
 
 def test_sustained_load_keeps_the_concurrency_until_done():
-    from ddtree_sglang.bench import client
+    from ddtree_bench import client
 
     state = dict(now=0, peak=0)
     lock = __import__("threading").Lock()
@@ -578,7 +578,7 @@ def test_sustained_load_keeps_the_concurrency_until_done():
 
 
 def test_steady_rate_counts_tokens_inside_the_full_load_window():
-    from ddtree_sglang.bench.client import RequestResult, steady_tok_s
+    from ddtree_bench.client import RequestResult, steady_tok_s
 
     def req(sent, ttft, latency, n):
         return RequestResult(replica=0, prompt_index=0, output_ids=[0] * n, ttft=ttft,
@@ -607,8 +607,8 @@ def test_cell_minimums():
 
 
 def test_repeated_cost_cells_report_median_and_spread():
-    from ddtree_sglang.bench.client import RequestResult
-    from ddtree_sglang.bench.cost_mode import repeated_step_ms
+    from ddtree_bench.client import RequestResult
+    from ddtree_bench.cost_mode import repeated_step_ms
 
     def level(ms_per_step: float) -> list[RequestResult]:  # 10 decode steps after the first token
         return [RequestResult(0, 0, output_ids=list(range(11)), ttft=0.0, latency=ms_per_step / 100)]
@@ -681,12 +681,12 @@ def test_arms_know_tp_and_page_size_and_the_8_gpu_config_plans_tp2_pairs(tmp_pat
     """A tp arm runs one replica per group of tp GPUs (CUDA_VISIBLE_DEVICES=0,1 ...) with
     --tp-size; an arm's page size overrides the config's; a tp that does not divide the GPUs
     is refused.  configs/pro6000x8.yaml prints eight tp = 1 replicas and four tp = 2 pairs."""
-    from ddtree_sglang.bench.config import ConfigError, load_config, replica_gpus
+    from ddtree_bench.config import ConfigError, load_config, replica_gpus
 
     assert replica_gpus([0, 1, 2, 3], 2) == ["0,1", "2,3"] and replica_gpus([5], 1) == ["5"]
     cfg = load_config(write_config(tmp_path, gpus=[0, 1, 2, 3], arms=[
         {"name": "dflash", "algorithm": "DFLASH", "tp": 2, "page_size": 16}]))
-    from ddtree_sglang.bench.run import server_spec
+    from ddtree_bench.run import server_spec
 
     spec = server_spec(cfg, cfg.arms[0], "m", "d")
     argv = spec.cli(0)

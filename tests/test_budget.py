@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_sglang.acceptance import accept_tree
-from ddtree_sglang.budget import (DepthCalibration, LiveStepCosts, candidate_budgets,
+from ddtree_sglang.tree.acceptance import accept_tree
+from ddtree_sglang.budget.controller import (DepthCalibration, LiveStepCosts, candidate_budgets,
                                   choose_budget, expected_by_depth_per_request,
                                   largest_budget_gain_bound)
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def exact_expected_accept(logits: torch.Tensor, budget: int) -> float:
@@ -127,7 +127,7 @@ def test_calibration_learns_per_depth_ratios():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), big=st.integers(2, 40), depth=st.integers(1, 5))
 def test_truncating_the_largest_tree_gives_every_smaller_budgets_tree(seed, big, depth):
-    from ddtree_sglang.draft_tree_builder import count_prefixes, truncate_tree
+    from ddtree_sglang.tree.builder import count_prefixes, truncate_tree
 
     big = min(big, count_prefixes(depth, 12, big))  # a depth-1 draft has only 12 prefixes
 
@@ -144,7 +144,7 @@ def test_truncating_the_largest_tree_gives_every_smaller_budgets_tree(seed, big,
 
 
 def test_step_costs_lookup_and_checks():
-    from ddtree_sglang.budget import StepCosts
+    from ddtree_sglang.budget.controller import StepCosts
 
     costs = StepCosts({1: {15: 8.0, 31: 8.5}, 8: {15: 11.0}})
     assert costs.row_ms(1, [15, 31]) == [8.0, 8.5]
@@ -165,7 +165,7 @@ def choose_for(ctl, tree) -> tuple[int, torch.Tensor]:
 
 
 def test_controller_prefers_wide_trees_when_cheap_and_narrow_when_not():
-    from ddtree_sglang.budget import BudgetController, StepCosts
+    from ddtree_sglang.budget.controller import BudgetController, StepCosts
 
     g = torch.Generator().manual_seed(1)
     tree = build_draft_tree(torch.randn(4, 6, 50, generator=g), 32)
@@ -182,7 +182,7 @@ def test_controller_prefers_wide_trees_when_cheap_and_narrow_when_not():
 def test_controller_learns_that_the_target_rejects_deep_tokens():
     """A target that never accepts beyond depth 1 makes wide trees worthless: once calibrated,
     the controller picks the smallest budget even where the drafter alone would go wide."""
-    from ddtree_sglang.budget import BudgetController, StepCosts
+    from ddtree_sglang.budget.controller import BudgetController, StepCosts
 
     logits = torch.zeros(2, 6, 50)
     logits[:, :, 0] = 6.0  # a confident drafter: deep prefixes look likely

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("sglang")
 
-from ddtree_sglang.step_ops import (StepCommit, accept_stage, tree_stage,  # noqa: E402
+from ddtree_sglang.tree.stages import (StepCommit, accept_stage, tree_stage,  # noqa: E402
                                    unpack_tree_stage)
-from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
+from ddtree_sglang.kernels.choice import Kernels  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg, decode_step as wmod  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import GrammarStep, MaskCosts, Walks  # noqa: E402
@@ -22,7 +22,7 @@ from ddtree_sglang.sglang_plugin.settings import DDTreeSettings  # noqa: E402
 from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # noqa: E402
                                                       Verified)
 from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages  # noqa: E402
-from ddtree_sglang.draft_tree_builder import build_draft_tree  # noqa: E402
+from ddtree_sglang.tree.builder import build_draft_tree  # noqa: E402
 
 V, H, BLOCK, B = 40, 8, 4, 8  # vocab, hidden, draft block (depth 3), budget
 ROW = 64  # slots of a request's req_to_token row
@@ -63,14 +63,14 @@ class FakeIO:
 LM_HEAD = SimpleNamespace(weight=torch.randn(V, H, generator=torch.Generator().manual_seed(0)))
 
 
-def make_step(budget: int = B, budget_controller=None, clock=None,
+def make_step(budget: int = B, serving_budget=None, clock=None,
               env: dict | None = None) -> wmod.DecodeStep:
     """A DecodeStep from its parts: settings, vocabulary, fake I/O, eager tree stages."""
     settings = DDTreeSettings.from_values(budget, BLOCK, environ=env or {})
     stages = GraphedStages(Kernels(), budget, BLOCK - 1, BLOCK,
                         functools.partial(draft_logits, LM_HEAD, vocab_size=V), graphed=False)
     return wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
-                           MaskCosts(), budget_controller, clock)
+                           MaskCosts(), serving_budget, clock)
 
 
 def plain_request() -> SimpleNamespace:
@@ -106,7 +106,7 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
     assert plan == StepPlan(bs=2, budget=B, draft_input=relay) and plan.width == B + 1
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
-    w = make_step(budget_controller=SimpleNamespace(
+    w = make_step(serving_budget=SimpleNamespace(
         choose=lambda bs, constrained: 3 + constrained,
         start_step=lambda bs, b, constrained: calls.append((bs, b, constrained))))
     assert w.begin_step(make_batch()).budget == 3 and calls == [(2, 3, False)]
@@ -172,8 +172,8 @@ def test_the_draft_starts_from_the_plan_s_relay_state():
 
 
 def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
-    budget_controller = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
-    w = make_step(budget_controller=budget_controller)
+    serving_budget = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
+    w = make_step(serving_budget=serving_budget)
     runner = w.io.target_runner
     w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
     built = []
@@ -293,7 +293,7 @@ def test_grammar_traversal_over_the_tree_sees_each_node_s_own_path():
 
 
 def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
-    from ddtree_sglang.logprobs import committed_log_probs
+    from ddtree_sglang.sampling.logprobs import committed_log_probs
 
     w = make_step()
     batch = make_batch(return_logprob=True, top_logprobs_nums=[3, 0],
@@ -335,7 +335,7 @@ def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
 
 
 def test_grammar_masked_tokens_get_the_lowest_finite_logprob():
-    from ddtree_sglang.logprobs import committed_log_probs
+    from ddtree_sglang.sampling.logprobs import committed_log_probs
 
     logits = torch.full((1, 5), float("-inf"))
     logits[0, 1] = 0.0  # the grammar allows one token
@@ -362,7 +362,7 @@ def test_a_decode_step_runs_its_stages_in_order(monkeypatch):
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
     observed, clock = [], []
-    w = make_step(budget_controller=SimpleNamespace(observe=lambda *a: observed.append(a)),
+    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a)),
                   clock=SimpleNamespace(end=lambda: clock.append("end")))
     commit_lens = torch.tensor([2, 3])
     out = SimpleNamespace(customized_info=None)
@@ -391,7 +391,7 @@ class EvenMatcher:
         return False
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
-        from ddtree_sglang.grammar_masks import bitmask_words
+        from ddtree_sglang.grammar.masks import bitmask_words
 
         bits = torch.zeros(bitmask_words(self.vocab) * 32, dtype=torch.int64)
         bits[0:self.vocab:2] = 1
@@ -403,7 +403,7 @@ def test_a_sampled_walk_masks_only_its_path_and_commits_what_full_masks_commit()
     """A request walked with a mask per visited node (SGLANG_DDTREE_GRAMMAR=path for a
     sampled or logprob request) commits what masking every node commits, and its visited rows
     carry the masked logits."""
-    from ddtree_sglang.grammar_masks import PathWalk
+    from ddtree_sglang.grammar.masks import PathWalk
 
     w = make_step()
     batch = make_batch()
@@ -435,7 +435,7 @@ def test_per_node_sampling_draws_each_row_with_its_request_s_settings():
     """sample_per_node (every node) and sample_for_requests (any rows, e.g. a sampled walk's
     visited nodes) draw a row with its own request's temperature, min-p and seed: the same
     seeded draw whichever way the rows are gathered."""
-    from ddtree_sglang.sampling import sample_rows
+    from ddtree_sglang.sampling.sample import sample_rows
 
     n, gen = 5, torch.Generator().manual_seed(9)
     logits = torch.randn(2 * n, V, generator=gen)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import heap_tree, node_prefixes
-from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree, check_budget
+from ddtree_sglang.tree.builder import build_draft_tree, chain_tree, check_budget
 
 
 @pytest.mark.parametrize("batch,depth,vocab,budget", [
@@ -64,7 +64,7 @@ def test_budget_errors():
        budget=st.integers(1, 80), seed=st.integers(0, 10_000),
        scale=st.sampled_from([0.1, 1.0, 5.0]))
 def test_tree_properties(batch, depth, vocab, budget, seed, scale):
-    from ddtree_sglang.draft_tree_builder import count_prefixes
+    from ddtree_sglang.tree.builder import count_prefixes
 
     budget = min(budget, count_prefixes(depth, vocab, budget))
     g = torch.Generator().manual_seed(seed)

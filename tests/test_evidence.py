@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_sglang.bench import evidence
-from ddtree_sglang.bench.config import ConfigError
+from ddtree_bench import evidence
+from ddtree_bench.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -221,7 +221,7 @@ def test_a_slice_past_its_deadline_starts_no_cell(tmp_path, monkeypatch):
     the deadline before starting it, and names the cells it left out."""
     import time
 
-    from ddtree_sglang.bench import slices
+    from ddtree_bench import slices
 
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests'}:{ROOT / 'src'}")
     plan = evidence.load_plan(write_plan(tmp_path, PLAN + "launcher_module: fake_sglang_server\n"))

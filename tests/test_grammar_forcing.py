@@ -4,8 +4,8 @@ seeded sampling against the unforced tree)."""
 import pytest
 import torch
 
-from ddtree_sglang.draft_tree_builder import build_draft_tree
-from ddtree_sglang.grammar_forcing import (FORCED_GAP, SpineStats, force_draft_logits,
+from ddtree_sglang.tree.builder import build_draft_tree
+from ddtree_sglang.grammar.forcing import (FORCED_GAP, SpineStats, force_draft_logits,
                                            forced_rows, forced_tokens)
 
 xgr = pytest.importorskip("xgrammar")
@@ -20,7 +20,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def matchers(pair):
-    from ddtree_sglang.bench.forced_spine import testbed_grammars
+    from ddtree_bench.forced_spine import testbed_grammars
 
     return testbed_grammars(pair, ["tool_call", "json_bounded", "regex"])
 
@@ -92,7 +92,7 @@ def test_seeded_sampled_outputs_equal_the_unforced_tree_s(pair, matchers):
     """Sampling: a spine's tokens are proposals; with seeded draws (a function of seed and
     position) the committed tokens are the same with and without it."""
     from ddtree_sglang.reference.constrained import ConstrainedRequest
-    from ddtree_sglang.sampling import SamplingParams
+    from ddtree_sglang.sampling.sample import SamplingParams
 
     matcher_of, vocab = matchers
     spec, prompt = pair.speculator, pair.encode(pair.prompts[1])
@@ -115,8 +115,8 @@ def test_force_needs_the_tokenizer(matchers):
 def test_the_spine_s_cost_is_timed_along_a_sample_output(pair, matchers):
     """benchmarks/forced_spine.py's host-cost column: one spine per position of a sample the
     grammar accepts, the share of positions with a spine and its mean length."""
-    from ddtree_sglang.bench.forced_spine import spine_cost
-    from ddtree_sglang.bench.grammars import KINDS
+    from ddtree_bench.forced_spine import spine_cost
+    from ddtree_bench.grammars import KINDS
 
     matcher_of, _ = matchers
     encode = encoder(pair)
@@ -129,7 +129,7 @@ def test_the_spine_s_cost_is_timed_along_a_sample_output(pair, matchers):
 def test_forced_children_take_a_node_s_only_child_and_nothing_else_changes():
     """forced_child_tree: with nothing forced it is the B-best tree; a node after which the
     grammar admits one token gets that token as its only child, with the node's own score."""
-    from ddtree_sglang.grammar_forcing import forced_child_tree
+    from ddtree_sglang.grammar.forcing import forced_child_tree
 
     logits = torch.randn(1, 5, 30, generator=torch.Generator().manual_seed(0))
     lp = torch.log_softmax(logits, -1)[0]

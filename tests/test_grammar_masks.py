@@ -12,11 +12,11 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens  # noqa: E402
-from ddtree_sglang.grammar_masks import (PathWalk, allow_all, fill_tree_masks,  # noqa: E402
+from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens  # noqa: E402
+from ddtree_sglang.grammar.masks import (PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          first_allowed, follow_paths, masked_argmax,
                                          unpack_bitmask)
-from ddtree_sglang.verify_layout import sibling_links  # noqa: E402
+from ddtree_sglang.tree.verify_layout import sibling_links  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {
@@ -186,7 +186,7 @@ def test_path_walk_commits_what_full_masks_commit(grammars, top_k):
 
 
 def test_path_walk_restores_the_matcher_when_the_device_step_fails(grammars, monkeypatch):
-    from ddtree_sglang import grammar_masks
+    from ddtree_sglang.grammar import masks as grammar_masks
 
     vocab, compiled = grammars
     m = xgr.GrammarMatcher(compiled["regex"], max_rollback_tokens=200)
@@ -227,7 +227,7 @@ def test_sampled_path_masks_commit_what_tree_masks_commit(grammars, kind):
     """Sampling with a mask per visited node (sample_paths) draws every visited node's token
     from the same masked, filtered distribution as with a mask per tree node, so the same
     seeded draws commit the same tokens; the visited rows are left masked (logprobs)."""
-    from ddtree_sglang.grammar_masks import sample_paths
+    from ddtree_sglang.grammar.masks import sample_paths
 
     vocab, compiled = grammars
     fills = 0

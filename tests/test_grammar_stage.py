@@ -10,9 +10,9 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 pytest.importorskip("sglang")
 
-from ddtree_sglang.bench.grammars import KINDS  # noqa: E402
-from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks  # noqa: E402
-from ddtree_sglang.verify_layout import sibling_links  # noqa: E402
+from ddtree_bench.grammars import KINDS  # noqa: E402
+from ddtree_sglang.grammar.masks import allow_all, fill_tree_masks  # noqa: E402
+from ddtree_sglang.tree.verify_layout import sibling_links  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import (WALK_ABOVE_US, MaskCosts,  # noqa: E402
                                                        build_grammar_step)
@@ -119,9 +119,9 @@ def test_the_grammar_valid_layout_cuts_constrained_rows_to_their_valid_nodes(set
     """A constrained request's rows become its best grammar-valid nodes (the per-request core
     selection, gathered for the whole batch); a request without a grammar keeps the tree's
     first nodes, as truncate_layout gives them."""
-    from ddtree_sglang.draft_tree import DraftTree
-    from ddtree_sglang.grammar_valid_tree import select_nodes, valid_nodes
-    from ddtree_sglang.verify_layout import build_verify_layout, truncate_layout
+    from ddtree_sglang.tree.draft_tree import DraftTree
+    from ddtree_sglang.grammar.valid_tree import select_nodes, valid_nodes
+    from ddtree_sglang.tree.verify_layout import build_verify_layout, truncate_layout
     from ddtree_sglang.sglang_plugin.grammar_stage import grammar_valid_layout
 
     vocab, compiled, sample = setup
@@ -184,7 +184,7 @@ def test_grammar_spines_ask_each_native_grammar_with_its_request_s_tokenizer(set
     its own tokenizer; none for a request without a native grammar or without a tokenizer."""
     from transformers import AutoTokenizer
 
-    from ddtree_sglang.grammar_forcing import forced_tokens
+    from ddtree_sglang.grammar.forcing import forced_tokens
     from ddtree_sglang.sglang_plugin.grammar_stage import grammar_spines
 
     vocab, compiled, sample = setup

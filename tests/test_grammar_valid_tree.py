@@ -9,11 +9,11 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens  # noqa: E402
-from ddtree_sglang.draft_tree import DraftTree  # noqa: E402
-from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks, masked_argmax  # noqa: E402
-from ddtree_sglang.grammar_valid_tree import select_layout, select_nodes, valid_nodes  # noqa: E402
-from ddtree_sglang.verify_layout import build_verify_layout, truncate_layout  # noqa: E402
+from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens  # noqa: E402
+from ddtree_sglang.tree.draft_tree import DraftTree  # noqa: E402
+from ddtree_sglang.grammar.masks import allow_all, fill_tree_masks, masked_argmax  # noqa: E402
+from ddtree_sglang.grammar.valid_tree import select_layout, select_nodes, valid_nodes  # noqa: E402
+from ddtree_sglang.tree.verify_layout import build_verify_layout, truncate_layout  # noqa: E402
 
 from test_grammar_masks import grammars, random_cases, random_tree  # noqa: E402,F401
 

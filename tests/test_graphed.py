@@ -1,7 +1,7 @@
 import torch
 
-from ddtree_sglang.graphed import GraphedFunction
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.kernels.graphed import GraphedFunction
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def test_falls_back_to_eager_on_cpu():

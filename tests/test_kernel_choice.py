@@ -6,12 +6,12 @@ is made with stand-in checks (no GPU needed)."""
 import pytest
 import torch
 
-from ddtree_sglang import kernel_choice
-from ddtree_sglang.step_ops import accept_stage
-from ddtree_sglang.draft_tree import torch_top_log_probs
-from ddtree_sglang.kernel_choice import (Kernels, check_accept_kernel, check_builder,
+from ddtree_sglang.kernels import choice as kernel_choice
+from ddtree_sglang.tree.stages import accept_stage
+from ddtree_sglang.tree.draft_tree import torch_top_log_probs
+from ddtree_sglang.kernels.choice import (Kernels, check_accept_kernel, check_builder,
                                          choose_kernels, random_verified_trees)
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def test_the_default_set_is_the_pytorch_references():

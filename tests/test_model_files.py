@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_sglang.model_files import ModelNotFound, is_hub_id, model_dir
+from ddtree_sglang.dflash.files import ModelNotFound, is_hub_id, model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -46,13 +46,13 @@ def test_local_path_first(tmp_path):
 
 def test_hub_id_from_the_cache_offline(tmp_path):
     cache = fake_hub(tmp_path / "hub", {"z-lab/Qwen3-8B-DFlash-b16": ROOT / "testbed" / "drafter"})
-    code = ("from ddtree_sglang.model_files import model_dir; "
+    code = ("from ddtree_sglang.dflash.files import model_dir; "
             "print(model_dir('z-lab/Qwen3-8B-DFlash-b16'))")
     out = subprocess.run([sys.executable, "-c", code], env=offline_env(cache),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(f"snapshots/{COMMIT}")
-    missing = ("from ddtree_sglang.model_files import model_dir; "
+    missing = ("from ddtree_sglang.dflash.files import model_dir; "
                "model_dir('z-lab/Qwen3-4B-DFlash-b16', revision='v2')")
     out = subprocess.run([sys.executable, "-c", missing], env=offline_env(cache),
                          capture_output=True, text=True, timeout=120)
@@ -65,7 +65,7 @@ def test_hub_id_from_the_cache_offline(tmp_path):
 def test_the_fetch_hint_fetches_what_the_server_will_read():
     """The hint's command names the revision and the cache the server was given, so running
     it makes the next start find the files."""
-    from ddtree_sglang.model_files import fetch_hint
+    from ddtree_sglang.dflash.files import fetch_hint
 
     assert "`hf download a/b`" in fetch_hint("a/b")
     assert "`hf download a/b --revision v2 --cache-dir /data/hf`" in fetch_hint("a/b", "v2",

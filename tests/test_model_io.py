@@ -8,11 +8,11 @@ import torch
 
 pytest.importorskip("sglang")
 
-from ddtree_sglang.kernel_choice import Kernels  # noqa: E402
-from ddtree_sglang.verify_layout import build_verify_layout  # noqa: E402
+from ddtree_sglang.kernels.choice import Kernels  # noqa: E402
+from ddtree_sglang.tree.verify_layout import build_verify_layout  # noqa: E402
 from ddtree_sglang.sglang_plugin import model_io, sglang_api as sg  # noqa: E402
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input  # noqa: E402
-from ddtree_sglang.draft_tree_builder import build_draft_tree  # noqa: E402
+from ddtree_sglang.tree.builder import build_draft_tree  # noqa: E402
 
 BLOCK, B, V = 4, 5, 30
 
@@ -70,7 +70,7 @@ def test_target_verify_hands_sglang_the_tree_and_restores_the_host_lengths(monke
 def test_committed_features_go_to_their_chain_slots_and_positions():
     """The draft-KV append writes each committed token's target features at the slot and
     chain position the walk's commit stage computed, then drops the output's copy."""
-    from ddtree_sglang.step_ops import accept_stage, commit_stage, unpack_commit_stage
+    from ddtree_sglang.tree.stages import accept_stage, commit_stage, unpack_commit_stage
 
     calls = []
     io = model_io.DFlashModelIO(fake_worker(calls), Kernels(), BLOCK, B + 1, V)

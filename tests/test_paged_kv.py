@@ -8,9 +8,9 @@ append must write position seq_len + j at that position's slot, across page boun
 import pytest
 import torch
 
-from ddtree_sglang.draft_tree_builder import build_draft_tree
-from ddtree_sglang.step_ops import accept_stage, commit_stage, unpack_commit_stage
-from ddtree_sglang.verify_layout import build_verify_layout
+from ddtree_sglang.tree.builder import build_draft_tree
+from ddtree_sglang.tree.stages import accept_stage, commit_stage, unpack_commit_stage
+from ddtree_sglang.tree.verify_layout import build_verify_layout
 
 BS, DEPTH, VOCAB, BUDGET, ROW = 4, 6, 12, 14, 256
 

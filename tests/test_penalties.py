@@ -3,13 +3,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_sglang.verify_layout import build_verify_layout
-from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
+from ddtree_sglang.tree.verify_layout import build_verify_layout
+from ddtree_sglang.sampling.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
                                      path_tokens, reference_node_penalties)
 from ddtree_sglang.reference.loop import ReferenceSpeculator
 from ddtree_sglang.reference.tiny import tiny_pair
-from ddtree_sglang.sampling import SamplingParams
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.sampling.sample import SamplingParams
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def _tree(bs, vocab, depth, budget, seed):

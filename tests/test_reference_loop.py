@@ -4,7 +4,7 @@ import torch
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.reference.loop import ReferenceSpeculator
 from ddtree_sglang.reference.tiny import tiny_pair
-from ddtree_sglang.sampling import SamplingParams
+from ddtree_sglang.sampling.sample import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_bad_inputs(spec):
 
 def test_batch_aware_budget_is_lossless_and_recorded(spec):
     """A budget chosen per step (truncating one tree) keeps greedy output equal to AR."""
-    from ddtree_sglang.budget import BudgetController, StepCosts
+    from ddtree_sglang.budget.controller import BudgetController, StepCosts
 
     depth = spec.cfg.block_size - 1
     prompt = PROMPTS[0]

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens
-from ddtree_sglang.verify_layout import build_verify_layout
-from ddtree_sglang.sampling import (SamplingParams, draw, filtered_probs, sample_rows,
+from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.tree.verify_layout import build_verify_layout
+from ddtree_sglang.sampling.sample import (SamplingParams, draw, filtered_probs, sample_rows,
                                     seeded_uniform, target_choice)
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def _norm(p: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """bench/server_log.py: SGLang's decode-batch lines of one measurement."""
-from ddtree_sglang.bench.server_log import LogWindow, decode_lines, full_load_decode
+from ddtree_bench.server_log import LogWindow, decode_lines, full_load_decode
 
 
 def line(running, accept, tok_s):
@@ -30,7 +30,7 @@ def test_a_window_reads_only_what_the_logs_gained(tmp_path):
 
 
 def test_report_shows_the_servers_own_step_period_where_logged():
-    from ddtree_sglang.bench import report
+    from ddtree_bench import report
 
     meta = dict(name="t", device="d", date="x", command="c", replicas=1, max_new_tokens=8,
                 temperature=0.0, reference_arm=None)

@@ -188,7 +188,7 @@ def test_penalty_state_counts_outputs_per_slot():
 
 def test_graph_padding_returns_the_real_rows():
     """A batch padded to a captured size (rows independent) gives the unpadded result."""
-    from ddtree_sglang.graphed import GraphedFunction
+    from ddtree_sglang.kernels.graphed import GraphedFunction
 
     def fn(x, y):
         return (x * 2 + y.unsqueeze(1)).reshape(-1), x.sum(1)

@@ -145,8 +145,8 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
 
 
 def test_benchmark_ddtree_arms_pin_their_budget_unless_asked():
-    from ddtree_sglang.bench.config import Arm
-    from ddtree_sglang.bench.run import arm_env
+    from ddtree_bench.config import Arm
+    from ddtree_bench.run import arm_env
 
     assert arm_env(Arm(name="b32", algorithm="DDTREE", budget=32)) == {
         "SGLANG_DDTREE_BUDGETS": "off"}
@@ -298,8 +298,8 @@ def test_the_step_reaches_sglang_and_the_core_through_one_seam():
     modules = _imports(plugin_dir / "decode_step.py")
     core = {m for m in modules if m.startswith("ddtree_sglang") and
             not m.startswith("ddtree_sglang.sglang_plugin")}
-    assert core == {"ddtree_sglang.step_ops", "ddtree_sglang.sampling",
-                    "ddtree_sglang.logprobs"}
+    assert core == {"ddtree_sglang.tree.stages", "ddtree_sglang.sampling.sample",
+                    "ddtree_sglang.sampling.logprobs"}
     assert not {m for m in modules if m.startswith(("sglang", "sgl_kernel"))}
     api = plugin_dir / "sglang_api.py"
     vouched = set(contract.CONTRACT) | set(contract.OVERRIDES) | set(contract.ATTRIBUTES)
@@ -316,16 +316,51 @@ def test_the_step_reaches_sglang_and_the_core_through_one_seam():
     assert not hasattr(contract, "__getattr__")  # nothing resolved by string at run time
 
 
-def test_core_has_no_import_of_the_plugin_and_kernels_no_import_of_the_tree():
-    """The engine-agnostic core never imports the SGLang adapter, and the kernels import only
-    the tree's types (draft_tree.py), so no import loop hides behind lazy imports."""
-    imports = _imports
+# The package's layers, lowest first: a module imports only from its own layer's packages or
+# from lower layers, so the engine-agnostic core never reaches the SGLang plugin and nothing
+# reaches the benchmark harness (ddtree_bench, a distribution of its own).
+LAYERS = [
+    {"cli", "dflash", "sampling", "budget"},  # leaves: no other package of ours
+    {"tree"},                                 # the B-best tree, its verify layout, the walk
+    {"grammar", "kernels"},                   # structured output on the tree; Triton kernels
+    {"reference"},                            # the pure PyTorch loop (the oracle, the demo)
+    {"sglang_plugin"},                        # the SGLang adapter on top of the core
+    {"demo"},
+]
+
+
+def _layer_of(module: str) -> int:
+    part = module.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if part in names)
+
+
+def test_imports_run_one_way_through_the_layers():
+    """Every import of ours goes to the importer's own layer or below (LAYERS); the Triton
+    kernels import only the tree's types; the package never imports the benchmark harness."""
     pkg = ROOT / "src" / "ddtree_sglang"
-    for f in (pkg / "kernels").glob("*.py"):
-        own = {m for m in imports(f) if m.startswith("ddtree_sglang")}
-        assert own <= {"ddtree_sglang.draft_tree"}, (f.name, own)
-    for f in pkg.glob("*.py"):
-        assert not any(m.startswith("ddtree_sglang.sglang_plugin") for m in imports(f)), f.name
+    upward = []
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(ROOT / "src").with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        if len(parts) < 2:
+            continue  # the package's own __init__
+        me = ".".join(parts)
+        for m in _imports(f):
+            assert not m.startswith("ddtree_bench"), (me, m)
+            if m.startswith("ddtree_sglang.") and _layer_of(m) > _layer_of(me):
+                upward.append((me, m))
+        if parts[1] == "kernels" and parts[-1] not in ("choice", "graphed", "__init__"):
+            own = {m for m in _imports(f) if m.startswith("ddtree_sglang")}
+            assert own <= {"ddtree_sglang.tree.draft_tree"}, (me, own)
+    assert upward == []
+    assert {p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()} \
+        == set().union(*LAYERS) - {"cli", "demo"}
+
+
+def test_the_package_root_holds_few_modules():
+    """At most 8 modules at the package root: the rest live in the package of their concept."""
+    root = sorted(p.name for p in (ROOT / "src" / "ddtree_sglang").glob("*.py"))
+    assert len(root) <= 8, root
 
 
 @pytest.mark.parametrize("change, split", [

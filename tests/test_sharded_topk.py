@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddtree_sglang.draft_tree_builder import build_draft_tree
-from ddtree_sglang.sharded_topk import VocabShard, canonical_top_log_probs
+from ddtree_sglang.tree.builder import build_draft_tree
+from ddtree_sglang.tree.sharded_topk import VocabShard, canonical_top_log_probs
 
 VOCAB, BUDGET = 211, 24
 

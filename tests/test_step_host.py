@@ -6,7 +6,7 @@ pytest.importorskip("sglang")
 
 
 def test_the_step_runs_over_stand_ins_and_its_ops_are_counted():
-    from ddtree_sglang.bench.step_host import measure
+    from ddtree_bench.step_host import measure
 
     pinned = measure(1, 32, (32,), steps=3, warmup=1)
     aware = measure(1, 32, (7, 15, 32), steps=3, warmup=1)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from ddtree_sglang.step_ops import StepCommit, accept_stage, tree_stage, unpack_tree_stage
-from ddtree_sglang.verify_layout import build_verify_layout, full_mask
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.stages import StepCommit, accept_stage, tree_stage, unpack_tree_stage
+from ddtree_sglang.tree.verify_layout import build_verify_layout, full_mask
+from ddtree_sglang.tree.builder import build_draft_tree
 
 
 def test_tree_stage_is_build_plus_layout():
@@ -39,7 +39,7 @@ def test_accept_stage_commit_format():
 def test_commit_stage_is_the_walk_plus_the_commit_s_slots():
     """commit_stage computes, with the walk, what the commit used to compute after it: the KV
     moves, the draft-KV slots and chain positions, the new lengths."""
-    from ddtree_sglang.step_ops import commit_slots, commit_stage, kv_moves, unpack_commit_stage
+    from ddtree_sglang.tree.stages import commit_slots, commit_stage, kv_moves, unpack_commit_stage
 
     tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 2)
     parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 2)
@@ -62,7 +62,7 @@ def test_kv_moves_put_the_accepted_path_at_its_positions():
     """Slot contents are node ids; after the moves, position j of each request holds the j-th
     node of its accepted path (root first), whatever order the moves read and write in."""
     pytest.importorskip("triton", reason="the move reference lives beside its Triton kernel")
-    from ddtree_sglang.step_ops import kv_moves
+    from ddtree_sglang.tree.stages import kv_moves
     from ddtree_sglang.kernels.kv_move import move_rows_reference
 
     tokens = torch.tensor([[99, 10, 11, 12, 13, 14]] * 3)
@@ -87,7 +87,7 @@ def test_kv_moves_put_the_accepted_path_at_its_positions():
 
 def test_kv_moves_of_a_block_narrower_than_the_commit_width():
     """A small budget (N = 3 < out_width = 4) commits at most N tokens: N columns move."""
-    from ddtree_sglang.step_ops import kv_moves
+    from ddtree_sglang.tree.stages import kv_moves
 
     tokens = torch.tensor([[99, 10, 11]])
     parents, depths = torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]])
@@ -102,9 +102,9 @@ def test_tree_stage_reports_the_candidates_expected_acceptance_and_mask_position
     """With candidate budgets the tree stage also gives their expected acceptance, and the
     verify mask's positions of every candidate width: a mask built from them equals the one
     full_mask builds on the host, for the tree cut to that width."""
-    from ddtree_sglang.budget import expected_by_depth_per_request
-    from ddtree_sglang.step_ops import stage_widths
-    from ddtree_sglang.verify_layout import truncate_layout
+    from ddtree_sglang.budget.controller import expected_by_depth_per_request
+    from ddtree_sglang.tree.stages import stage_widths
+    from ddtree_sglang.tree.verify_layout import truncate_layout
 
     logits = torch.randn(2, 5, 30)
     roots, seq = torch.tensor([1, 2]), torch.tensor([4, 9])
@@ -126,7 +126,7 @@ def test_tree_stage_reports_the_candidates_expected_acceptance_and_mask_position
 
 
 def test_commit_slots_of_wide_and_narrow_verifies():
-    from ddtree_sglang.step_ops import commit_slots
+    from ddtree_sglang.tree.stages import commit_slots
 
     loc = torch.arange(2 * 6) + 100  # two requests, 6 verify slots each
     assert commit_slots(loc, 2, 6, 4).tolist() == [[100, 101, 102, 103], [106, 107, 108, 109]]

@@ -2,8 +2,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ddtree_sglang.verify_layout import build_verify_layout, full_mask, truncate_layout
-from ddtree_sglang.draft_tree_builder import build_draft_tree, truncate_tree
+from ddtree_sglang.tree.verify_layout import build_verify_layout, full_mask, truncate_layout
+from ddtree_sglang.tree.builder import build_draft_tree, truncate_tree
 
 
 def brute_ancestors(parents: list[int]) -> torch.Tensor:

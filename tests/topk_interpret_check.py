@@ -26,7 +26,7 @@ def main() -> None:
     bad = top_log_probs_triton(tied, 20, chunk=256)[1].clone()
     bad[0, 1] = bad[0, 0]  # a repeated id is not a top-k
     assert not is_valid_top_k(tied, 20, lp, bad)
-    from ddtree_sglang.kernel_choice import _topk_agrees
+    from ddtree_sglang.kernels.choice import _topk_agrees
 
     assert _topk_agrees(1000, 32, "cpu", torch.bfloat16)  # the worker's startup check passes
     print("TOPK OK", cases + 1)

@@ -46,7 +46,7 @@ def verify_bytes(budget: int, context: int, config) -> int:
 def check_limits(args, tb, prompts: list[list[int]], budget: int, flag: str = "--budget") -> None:
     """`budget` (given as `flag`) and the output length against the tree, the target's
     positions and this machine's free memory."""
-    from ddtree_sglang.draft_tree_builder import check_budget
+    from ddtree_sglang.tree.builder import check_budget
 
     spec = tb.speculator
     depth, vocab = spec.cfg.block_size - 1, int(spec.target.config.vocab_size)
@@ -91,7 +91,7 @@ def _main(argv: list[str] | None) -> int:
     from tqdm import tqdm
 
     from ddtree_sglang.reference.testbed import DEFAULT_TESTBED, TestbedError, load_testbed
-    from ddtree_sglang.sampling import SamplingParams
+    from ddtree_sglang.sampling.sample import SamplingParams
 
     ap = Parser(prog=PROG, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +130,7 @@ def _main(argv: list[str] | None) -> int:
     modes = [("autoregressive", "ar", 0), ("DFlash chain", "chain", 0),
              (f"DDTree B={args.budget}", "ddtree", args.budget)]
     if args.auto_budgets:
-        from ddtree_sglang.budget import BudgetController, StepCosts
+        from ddtree_sglang.budget.controller import BudgetController, StepCosts
 
         budgets = sorted(set(args.auto_budgets))
         check_limits(args, tb, prompts, budgets[-1], "--auto-budgets")

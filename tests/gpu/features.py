@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rescoring import chi2_pvalue, first_divergences  # noqa: E402
-from ddtree_sglang.bench.server import (Server, ServerSpec, get_json, post_json,  # noqa: E402
+from ddtree_bench.server import (Server, ServerSpec, get_json, post_json,  # noqa: E402
                                         stop_servers_on_sigterm)
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 

@@ -42,9 +42,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddtree_sglang.bench.server import (Server, ServerSpec, get_json, post_json,  # noqa: E402
+from ddtree_bench.server import (Server, ServerSpec, get_json, post_json,  # noqa: E402
                                         stop_servers_on_sigterm)
-from ddtree_sglang.penalties import RequestPenalties  # noqa: E402
+from ddtree_sglang.sampling.penalties import RequestPenalties  # noqa: E402
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 from rescoring import pick_flat_prompt, second_token_fit, teacher_force  # noqa: E402
 

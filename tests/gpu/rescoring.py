@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_sglang.penalties import RequestPenalties, reference_node_penalties
-from ddtree_sglang.sampling import filtered_probs
+from ddtree_sglang.sampling.penalties import RequestPenalties, reference_node_penalties
+from ddtree_sglang.sampling.sample import filtered_probs
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """Fused Triton kernel for the draft-tree selection (B <= 256, depth <= 16), one program per
-request.  Reference: ddtree_sglang.draft_tree_builder.build_draft_tree, which it reproduces exactly (given
+request.  Reference: ddtree_sglang.tree.builder.build_draft_tree, which it reproduces exactly (given
 the same top-k of the draft positions).
 
 The PyTorch builder spends its time launching two sorts and a few gathers per depth.  Here the
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree_sglang.draft_tree import DraftTree, TopLogProbs, check_budget, torch_top_log_probs
+from ddtree_sglang.tree.draft_tree import DraftTree, TopLogProbs, check_budget, torch_top_log_probs
 
 MAX_BUDGET = 256
 MAX_DEPTH = 16

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from ddtree_sglang.grammar_forcing import SpineStats, forced_tokens
-from ddtree_sglang.grammar_masks import allow_all, fill_tree_masks, unpack_bitmask
+from ddtree_sglang.grammar.forcing import SpineStats, forced_tokens
+from ddtree_sglang.grammar.masks import allow_all, fill_tree_masks, unpack_bitmask
 
 
 @dataclass

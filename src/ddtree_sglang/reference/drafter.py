@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree_sglang.dflash_config import DFlashConfig, load_dflash_config
+from ddtree_sglang.dflash.config import DFlashConfig, load_dflash_config
 
 
 class RMSNorm(nn.Module):

@@ -20,16 +20,16 @@ from typing import Literal
 
 import torch
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens
-from ddtree_sglang.budget import BudgetController, expected_by_depth_per_request
-from ddtree_sglang.dflash_config import untappable_layers
-from ddtree_sglang.verify_layout import build_verify_layout
-from ddtree_sglang.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
+from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.budget.controller import BudgetController, expected_by_depth_per_request
+from ddtree_sglang.dflash.config import untappable_layers
+from ddtree_sglang.tree.verify_layout import build_verify_layout
+from ddtree_sglang.sampling.penalties import (PenaltyParams, RequestPenalties, apply_tree_penalties,
                                      path_tokens)
 from ddtree_sglang.reference.drafter import DFlashDrafter
-from ddtree_sglang.sampling import SamplingParams, target_choice
-from ddtree_sglang.draft_tree_builder import build_draft_tree, chain_tree, truncate_tree
-from ddtree_sglang.grammar_forcing import force_draft_logits, forced_child_tree, forced_rows
+from ddtree_sglang.sampling.sample import SamplingParams, target_choice
+from ddtree_sglang.tree.builder import build_draft_tree, chain_tree, truncate_tree
+from ddtree_sglang.grammar.forcing import force_draft_logits, forced_child_tree, forced_rows
 from ddtree_sglang.reference.constrained import ConstrainedRequest
 
 Mode = Literal["ar", "chain", "ddtree"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_sglang.dflash_config import DFlashConfig
+from ddtree_sglang.dflash.config import DFlashConfig
 from ddtree_sglang.reference.drafter import DFlashDrafter
 
 

@@ -117,7 +117,7 @@ CONTRACT: dict[str, tuple[str, ...]] = {
          "xai_temperature_len", "page_size", "score_mod", "aux_tensors"),
     "sglang.kernels.ops.attention.merge_state.merge_state_triton":
         ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output"),
-    # the batch-aware budget (budget_controller.py): a target attention backend and verify-graph
+    # the batch-aware budget (serving_budget.py): a target attention backend and verify-graph
     # runner per candidate verify width, as EAGLE's adaptive speculation builds them
     "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend":
         ("init_new_workspace",),

@@ -7,7 +7,7 @@ runs five stages over the records of step_records.py, the verify inside its widt
   draft             the block [bonus, MASK x (bs-1)] through the drafter once;
   build tree        the drafter's full distributions (through the target's lm_head) -> the
                     B-best tree, its verify layout and mask (ddtree_sglang core), cut to the
-                    budget chosen for this batch (budget_controller.py; B when pinned);
+                    budget chosen for this batch (serving_budget.py; B when pinned);
   verify            root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask
                     input (CUDA graphs captured with the mask, see plugin.py); while it runs,
                     the host builds the grammar's node masks (structured output,
@@ -35,12 +35,12 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.step_ops import (StepCommit, penalise_nodes, truncate_layout,
+from ddtree_sglang.tree.stages import (StepCommit, penalise_nodes, truncate_layout,
                                    unpack_commit_stage, unpack_tree_stage)
-from ddtree_sglang.logprobs import committed_log_probs
-from ddtree_sglang.sampling import sample_rows
+from ddtree_sglang.sampling.logprobs import committed_log_probs
+from ddtree_sglang.sampling.sample import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
-from ddtree_sglang.sglang_plugin.budget_controller import GPUBudgetController
+from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget
 from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
                                                       grammar_spines, grammar_valid_layout,
                                                       sampled_grammar_choices,
@@ -58,7 +58,7 @@ def sample_for_requests(logits: torch.Tensor, sampling_info, req_index: torch.Te
                         positions: torch.Tensor | None = None) -> torch.Tensor:
     """[rows] the target's choice for each row of `logits` [rows, V], row r with request
     req_index[r]'s settings: argmax, or one draw from the filtered distribution
-    (ddtree_sglang.sampling, joint top-k/top-p, with sgl_kernel's renorm kernels; rows of
+    (ddtree_sglang.sampling.sample, joint top-k/top-p, with sgl_kernel's renorm kernels; rows of
     seeded requests draw as a function of (seed, the row's node position))."""
     if sampling_info is None or sampling_info.is_all_greedy:
         return logits.argmax(dim=-1)
@@ -93,10 +93,10 @@ class DecodeStep:
 
     def __init__(self, settings: DDTreeSettings, vocab_size: int, io: ModelIO,
                  stages: GraphedStages, penalties: PenaltyState, mask_costs: MaskCosts,
-                 budget_controller: GPUBudgetController | None = None,
+                 serving_budget: ServingBudget | None = None,
                  clock: StageClock | NoClock | None = None) -> None:
         self.settings, self.vocab_size, self.io, self.stages = settings, vocab_size, io, stages
-        self.penalties, self.mask_costs, self.budget_controller = penalties, mask_costs, budget_controller
+        self.penalties, self.mask_costs, self.serving_budget = penalties, mask_costs, serving_budget
         self.clock = clock or NoClock()
         self.depth, self.out_width = settings.depth, settings.block_size
 
@@ -136,19 +136,19 @@ class DecodeStep:
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
         patches.clamp_seq_lens(batch, self.io.max_step_seq_len())
-        budget_controller, constrained = self.budget_controller, bool(batch.has_grammar)
-        budget = self.settings.budget if budget_controller is None else \
-            budget_controller.choose(bs, constrained)
-        if budget_controller is not None:
-            budget_controller.start_step(bs, budget, constrained)
+        serving_budget, constrained = self.serving_budget, bool(batch.has_grammar)
+        budget = self.settings.budget if serving_budget is None else \
+            serving_budget.choose(bs, constrained)
+        if serving_budget is not None:
+            serving_budget.start_step(bs, budget, constrained)
         return StepPlan(bs=bs, budget=budget, draft_input=draft_input, constrained=constrained)
 
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
         """The budget controller learns what the step committed (and each request's budget
         is reported when traced); the step clock stops."""
-        if self.budget_controller is not None:
-            self.budget_controller.observe(plan.bs, plan.budget, tree.depth_probs,
+        if self.serving_budget is not None:
+            self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
                                            accepted.commit.commit_lens, plan.constrained)
             if self.settings.budget_trace:
                 patches.report_per_request(verified.logits_output, "ddtree_budget",
@@ -162,8 +162,8 @@ class DecodeStep:
         afterwards, also when the verify fails."""
         runner = self.io.target_runner
         configured = sg.verify_runtime(runner)
-        if self.budget_controller is not None:
-            patches.set_verify_runtime(runner, self.budget_controller.runtimes[width])
+        if self.serving_budget is not None:
+            patches.set_verify_runtime(runner, self.serving_budget.runtimes[width])
         try:
             yield
         finally:

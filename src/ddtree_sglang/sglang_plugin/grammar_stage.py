@@ -1,6 +1,6 @@
 """Structured output in a DDTREE decode step: which constrained request gets which masks, the
 tree masks built while the verify pass runs, and the greedy path walk after it
-(ddtree_sglang.grammar_masks holds the algorithm and why it is exact).
+(ddtree_sglang.grammar.masks holds the algorithm and why it is exact).
 
 SGLANG_DDTREE_GRAMMAR picks the method (settings.GRAMMAR_METHODS):
   tree    every constrained request's node masks by xgrammar's native traversal;
@@ -28,11 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from ddtree_sglang.grammar_masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
+from ddtree_sglang.grammar.masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
                                          follow_paths, follow_sampled_paths)
-from ddtree_sglang.grammar_forcing import forced_rows, forced_tokens
-from ddtree_sglang.grammar_valid_tree import select_layout, select_nodes, valid_nodes
-from ddtree_sglang.verify_layout import VerifyLayout, truncate_layout
+from ddtree_sglang.grammar.forcing import forced_rows, forced_tokens
+from ddtree_sglang.grammar.valid_tree import select_layout, select_nodes, valid_nodes
+from ddtree_sglang.tree.verify_layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks

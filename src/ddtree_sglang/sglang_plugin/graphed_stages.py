@@ -8,10 +8,10 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.step_ops import commit_stage, stage_widths, tree_stage
-from ddtree_sglang.grammar_forcing import force_draft_logits
-from ddtree_sglang.graphed import GraphedFunction
-from ddtree_sglang.kernel_choice import Kernels
+from ddtree_sglang.tree.stages import commit_stage, stage_widths, tree_stage
+from ddtree_sglang.grammar.forcing import force_draft_logits
+from ddtree_sglang.kernels.graphed import GraphedFunction
+from ddtree_sglang.kernels.choice import Kernels
 
 
 class GraphedStages:

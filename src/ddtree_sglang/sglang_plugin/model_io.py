@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ddtree_sglang.step_ops import CommitSlots, StepCommit, verify_mask
-from ddtree_sglang.kernel_choice import Kernels
+from ddtree_sglang.tree.stages import CommitSlots, StepCommit, verify_mask
+from ddtree_sglang.kernels.choice import Kernels
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddtree_sglang.penalties import PenaltyParams
+from ddtree_sglang.sampling.penalties import PenaltyParams
 
 
 def penalty_settings(req: Any) -> tuple[float, float, float, int] | None:

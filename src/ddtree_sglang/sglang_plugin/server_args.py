@@ -14,9 +14,9 @@ import json
 import logging
 from typing import Any
 
-from ddtree_sglang.dflash_config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
+from ddtree_sglang.dflash.config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
-from ddtree_sglang.model_files import ModelNotFound, model_dir
+from ddtree_sglang.dflash.files import ModelNotFound, model_dir
 from ddtree_sglang.sglang_plugin.settings import (MAX_BUDGET, MAX_CHECKED_PAGE_SIZE,
                                                   DDTreeConfigError, DDTreeSettings,
                                                   unchecked_setups)

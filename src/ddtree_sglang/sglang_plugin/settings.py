@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ddtree_sglang.budget import candidate_budgets
+from ddtree_sglang.budget.controller import candidate_budgets
 
 
 class DDTreeConfigError(ValueError):

@@ -174,7 +174,7 @@ def vocab_shard(lm_head, vocab_size: int):
     """This rank's VocabShard of a vocabulary-parallel lm_head (its global id range and the
     tensor-parallel group's all-gather, which SGLang's communicators run inside CUDA graphs),
     or None where the head holds the whole vocabulary."""
-    from ddtree_sglang.sharded_topk import VocabShard
+    from ddtree_sglang.tree.sharded_topk import VocabShard
 
     group = get_tp_group()
     if int(group.world_size) == 1 or not hasattr(lm_head, "shard_indices"):

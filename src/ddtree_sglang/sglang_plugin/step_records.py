@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ddtree_sglang.step_ops import CommitSlots, StepCommit, VerifyLayout
-from ddtree_sglang.penalties import PenaltyParams
+from ddtree_sglang.tree.stages import CommitSlots, StepCommit, VerifyLayout
+from ddtree_sglang.sampling.penalties import PenaltyParams
 
 
 @dataclass(frozen=True)

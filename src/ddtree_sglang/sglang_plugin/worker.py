@@ -18,10 +18,10 @@ from dataclasses import replace
 
 import torch
 
-from ddtree_sglang.step_ops import truncate_layout, unpack_tree_stage
-from ddtree_sglang.kernel_choice import Kernels, choose_kernels
+from ddtree_sglang.tree.stages import truncate_layout, unpack_tree_stage
+from ddtree_sglang.kernels.choice import Kernels, choose_kernels
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
-from ddtree_sglang.sglang_plugin.budget_controller import GPUBudgetController, build_budget_controller
+from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget, build_serving_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input
 from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
@@ -137,22 +137,22 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         if not self.ddtree_graphs_done:
             self.ddtree_graphs_done = self._capture_tree_graphs("after the KV pool")
         s = self.ddtree_settings
-        budget_controller = self._build_budget_controller() if len(s.budgets) > 1 else None
+        serving_budget = self._build_serving_budget() if len(s.budgets) > 1 else None
         clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
         rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
         io = DFlashModelIO(self, self.ddtree_kernels, s.block_size, s.verify_width, self.ddtree_vocab_size)
         self.ddtree_step = DecodeStep(s, self.ddtree_vocab_size, io, self.ddtree_stages,
                                PenaltyState(rows, self.ddtree_vocab_size, self.device), MaskCosts(),
-                               budget_controller, clock)
+                               serving_budget, clock)
 
-    def _build_budget_controller(self) -> GPUBudgetController | None:
+    def _build_serving_budget(self) -> ServingBudget | None:
         variant = self.ddtree_kernels.verify_attention
 
         def install(backend) -> None:  # the variant the configured width's backend runs
             patches.wrap_verify_attention(backend, VARIANTS[variant])
 
         s = self.ddtree_settings
-        return build_budget_controller(self.target_worker.model_runner, list(s.budgets), s.depth,
+        return build_serving_budget(self.target_worker.model_runner, list(s.budgets), s.depth,
                                      self.device, None if variant == "single" else install,
                                      log=self.ps.tp_rank == 0, explore_every=s.explore_every,
                                      min_gain=s.min_gain, grammar_lane=s.grammar_budget == "own")
@@ -231,8 +231,8 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         DFLASH's prefill (a copy of that part of DFlashWorkerV2.forward_batch_generation,
         guarded by contract.COPIED), run here because DFLASH's refuses requests with logprobs.  The
         step's state learns of the new requests (penalties) and of the break (budget)."""
-        if step.budget_controller is not None:
-            step.budget_controller.interrupt()
+        if step.serving_budget is not None:
+            step.serving_budget.interrupt()
         if batch.forward_mode.is_idle():
             return super().forward_batch_generation(batch, on_publish, grammar_barrier)
         result = self.target_worker.forward_batch_generation(

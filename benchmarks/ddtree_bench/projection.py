@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ddtree_sglang.bench.cost_mode import fastest_chain
-from ddtree_sglang.budget import choose_budget
+from ddtree_bench.cost_mode import fastest_chain
+from ddtree_sglang.budget.controller import choose_budget
 
 # The paper's budget curve (MATH-500, Qwen3-8B, T = 0; read from its plot) and its DFlash chain.
 PAPER_TAU = {16: 8.6, 32: 9.3, 64: 9.75, 128: 10.2, 256: 10.4, 512: 10.7}
@@ -111,7 +111,7 @@ def markdown(rows: list[dict], source: str) -> str:
              + ("; not published, interpolated log-linearly in log2(B) from the curve: "
                 + ", ".join(derived) if derived else "")
              + ". Throughput = batch x tau / step time; the chooser "
-             "(`ddtree_sglang.budget.choose_budget`) takes the budget with the most committed "
+             "(`ddtree_sglang.budget.controller.choose_budget`) takes the budget with the most committed "
              "tokens per ms among the budgets measured at that batch size.", "",
              "| batch | chosen B | projected DDTREE / DFLASH | " +
              " | ".join(f"B={b} tok/ms" for b in budgets) + " | DFLASH tok/ms | DFLASH arm |",

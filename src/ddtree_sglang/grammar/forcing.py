@@ -120,7 +120,7 @@ def forced_child_tree(log_probs: torch.Tensor, budget: int,
     certain).  Prefixes come out best first, each parent before its children."""
     import heapq
 
-    from ddtree_sglang.draft_tree import DraftTree
+    from ddtree_sglang.tree.draft_tree import DraftTree
 
     depth, vocab = log_probs.shape
     k = min(budget, vocab)

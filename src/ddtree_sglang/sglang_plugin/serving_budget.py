@@ -2,7 +2,7 @@
 
 Per step the worker calls:
   * `choose(bs, constrained)` on the host, before the draft: the controller's choice (the
-    grammar lane's when `constrained`, see GPUBudgetController) from the batch size, the step costs
+    grammar lane's when `constrained`, see ServingBudget) from the batch size, the step costs
     and the drafter's calibrated expected acceptance as of an earlier step (a non-blocking
     copy, `LaggedHostCopy`: nothing waits for the GPU);
   * `runtimes[width]`: the target attention backend and verify CUDA graphs for that width,
@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from ddtree_sglang.budget import BudgetController, LiveStepCosts
+from ddtree_sglang.budget.controller import BudgetController, LiveStepCosts
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.settings import DEFAULT_EXPLORE_EVERY, DEFAULT_MIN_GAIN
 
@@ -145,7 +145,7 @@ class _Lane:
         return None if value is None else self._host
 
 
-class GPUBudgetController:
+class ServingBudget:
     """The SGLang side of the batch-aware budget (one per worker): budget.BudgetControllers
     fed with CUDA step timings and read back without waiting, plus the target verify runtime
     (attention backend, CUDA graphs) of every candidate width.
@@ -208,14 +208,14 @@ def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | Non
     return LiveStepCosts(table)
 
 
-def build_budget_controller(runner, budgets: list[int], depth: int, device, prepare_backend=None,
+def build_serving_budget(runner, budgets: list[int], depth: int, device, prepare_backend=None,
                           log: bool = True, explore_every: int = DEFAULT_EXPLORE_EVERY,
                           min_gain: float = DEFAULT_MIN_GAIN,
-                          grammar_lane: bool = False) -> GPUBudgetController | None:
+                          grammar_lane: bool = False) -> ServingBudget | None:
     """A target verify (attention backend + CUDA graphs) per candidate width of the target's
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
     budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory.
-    grammar_lane: batches with a grammar get a controller of their own (GPUBudgetController)."""
+    grammar_lane: batches with a grammar get a controller of their own (ServingBudget)."""
     largest = budgets[-1]
     runtimes = {largest + 1: sg.verify_runtime(runner)}
     if runtimes[largest + 1][1] is None or not torch.cuda.is_available():
@@ -252,4 +252,4 @@ def build_budget_controller(runner, budgets: list[int], depth: int, device, prep
                                        min_gain=min_gain, explore_every=explore_every or
                                        DEFAULT_EXPLORE_EVERY, stats_every=4, log=log,
                                        gate=False)
-    return GPUBudgetController(controller, runtimes, constrained)
+    return ServingBudget(controller, runtimes, constrained)

@@ -18,13 +18,13 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.acceptance import accept_tree, committed_tokens
-from ddtree_sglang.budget import expected_by_depth_per_request
-from ddtree_sglang.draft_tree import DraftTree
-from ddtree_sglang.verify_layout import (VerifyLayout, build_verify_layout, mask_positions,
+from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.budget.controller import expected_by_depth_per_request
+from ddtree_sglang.tree.draft_tree import DraftTree
+from ddtree_sglang.tree.verify_layout import (VerifyLayout, build_verify_layout, mask_positions,
                                          truncate_layout)
-from ddtree_sglang.verify_layout import full_mask as verify_mask
-from ddtree_sglang.penalties import PenaltyParams, apply_tree_penalties, path_tokens
+from ddtree_sglang.tree.verify_layout import full_mask as verify_mask
+from ddtree_sglang.sampling.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 
 __all__ = ["CommitSlots", "StepCommit", "VerifyLayout", "accept_stage", "commit_slots",
            "commit_stage", "kv_moves", "penalise_nodes", "stage_widths", "tree_stage", "truncate_layout",

@@ -16,9 +16,9 @@ from contextlib import closing
 from pathlib import Path
 from typing import Callable
 
-from ddtree_sglang.bench import cells, client, compare, run
-from ddtree_sglang.bench.config import BenchConfig
-from ddtree_sglang.bench.grammars import sampling_constraint
+from ddtree_bench import cells, client, compare, run
+from ddtree_bench.config import BenchConfig
+from ddtree_bench.grammars import sampling_constraint
 
 REFERENCE_ARM = "plain"
 WARMUP_S = 1.5  # per measurement: its warm-up round and the drain of the last requests

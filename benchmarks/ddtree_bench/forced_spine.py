@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Callable
 
-from ddtree_sglang.bench.grammars import compile_kind
+from ddtree_bench.grammars import compile_kind
 
 def testbed_grammars(pair, kinds: list[str]) -> tuple[Callable[[str], object], int]:
     """(kind -> a fresh xgrammar matcher for the testbed tokenizer, vocabulary size)."""
@@ -40,7 +40,7 @@ def run_kind(pair, matcher_of, vocab: int, kind: str, budget: int, prompts: int,
     greedy): accept length per variant (`accept_<variant>`), the spine's counts, and whether
     every variant committed the same tokens as the reference."""
     from ddtree_sglang.reference.constrained import ConstrainedRequest
-    from ddtree_sglang.sampling import SamplingParams
+    from ddtree_sglang.sampling.sample import SamplingParams
 
     spec = pair.speculator
     encode = lambda s: pair.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
@@ -80,7 +80,7 @@ def spine_cost(matcher, sample: list[int], encode: Callable[[str], list[int]],
                depth: int = 15) -> dict:
     """Host µs per decode step of the spine (forced_tokens from the committed state) along a
     sample output, one step per token position, and the share of steps with a spine."""
-    from ddtree_sglang.grammar_forcing import forced_tokens
+    from ddtree_sglang.grammar.forcing import forced_tokens
 
     times, lengths = [], []
     for token in sample:

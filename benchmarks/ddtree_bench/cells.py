@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddtree_sglang.bench import client
-from ddtree_sglang.bench.server_log import LogWindow, full_load_decode
+from ddtree_bench import client
+from ddtree_bench.server_log import LogWindow, full_load_decode
 
 
 def cell_done(cfg, seconds: float, requests: int) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_sglang.draft_tree import DraftTree
+from ddtree_sglang.tree.draft_tree import DraftTree
 
 
 @dataclass(frozen=True)

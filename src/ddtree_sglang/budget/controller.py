@@ -19,7 +19,7 @@ choice itself compares a handful of numbers per step, so it takes plain floats o
 (no tensor ops: each small torch call costs microseconds where a tiny model's step is a few ms).
 `BudgetController` ties them together around one verify, with the gate, exploration and
 hysteresis a serving engine needs: the reference loop uses it as is, the SGLang worker through
-sglang_plugin/budget_controller.py (CUDA step timing, a lagged read-back of the statistics).
+sglang_plugin/serving_budget.py (CUDA step timing, a lagged read-back of the statistics).
 
 Because the builder's trees are best-first and prefix-closed, one tree built with the largest
 candidate budget yields every smaller budget's tree by truncation (`tree.truncate_tree`).
@@ -201,7 +201,7 @@ class LiveStepCosts(StepCosts):
     while other servers on the GPU were starting).
     The startup verify times come from the graphs' capture-time (short) contexts, so only live
     cells see how attention grows with the context; `least_sampled` tells an engine which
-    budget to try now and then (GPUBudgetController explores)."""
+    budget to try now and then (ServingBudget explores)."""
 
     def __init__(self, table: dict[int, dict[int, float]], window: int = 15,
                  min_samples: int = 3, skip_first: int = 1) -> None:

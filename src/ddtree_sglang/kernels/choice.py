@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.step_ops import accept_stage
-from ddtree_sglang.draft_tree import DraftTree, torch_top_log_probs
-from ddtree_sglang.sharded_topk import VocabShard
-from ddtree_sglang.draft_tree_builder import build_draft_tree
+from ddtree_sglang.tree.stages import accept_stage
+from ddtree_sglang.tree.draft_tree import DraftTree, torch_top_log_probs
+from ddtree_sglang.tree.sharded_topk import VocabShard
+from ddtree_sglang.tree.builder import build_draft_tree
 
 # The one-pass Triton top-k extracts k values from every 4,096-logit chunk by repeated max,
 # work that grows with rows x k; PyTorch's radix top-k is faster on many rows (the profile in

@@ -4,7 +4,7 @@ the prefix and says whether the arm's token was a near-tie for the target there.
 
 from __future__ import annotations
 
-from ddtree_sglang.bench.server import post_json
+from ddtree_bench.server import post_json
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -146,9 +146,9 @@ def sglang_stand_ins(counter: OpCounter):
 
 def build_step(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCounter):
     """The real DecodeStep over the real DFlashModelIO (fake worker), graphed stages stood in."""
-    from ddtree_sglang.budget import BudgetController, LiveStepCosts
-    from ddtree_sglang.kernel_choice import Kernels
-    from ddtree_sglang.sglang_plugin.budget_controller import GPUBudgetController
+    from ddtree_sglang.budget.controller import BudgetController, LiveStepCosts
+    from ddtree_sglang.kernels.choice import Kernels
+    from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget
     from ddtree_sglang.sglang_plugin.decode_step import DecodeStep
     from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages
     from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
@@ -173,7 +173,7 @@ def build_step(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCo
     controller = None
     if len(settings.budgets) > 1:
         table = {b: {c: 1.0 + 0.01 * c for c in settings.budgets} for b in (1, 8, 64)}
-        controller = GPUBudgetController(
+        controller = ServingBudget(
             BudgetController(list(settings.budgets), LiveStepCosts(table), BLOCK - 1,
                              min_gain=settings.min_gain, explore_every=settings.explore_every,
                              log=False),

@@ -1,13 +1,13 @@
 """The worker's batch-aware budget (budget.BudgetController through its SGLang glue,
-sglang_plugin/budget_controller.py), on the CPU: the host choice follows what the GPU-side
+sglang_plugin/serving_budget.py), on the CPU: the host choice follows what the GPU-side
 statistics learned, against the brute-force optimum."""
 import pytest
 import torch
 
 pytest.importorskip("sglang", reason="the budget controller's SGLang side imports SGLang")
 
-from ddtree_sglang.budget import BudgetController, LiveStepCosts  # noqa: E402
-from ddtree_sglang.sglang_plugin.budget_controller import (GPUBudgetController,  # noqa: E402
+from ddtree_sglang.budget.controller import BudgetController, LiveStepCosts  # noqa: E402
+from ddtree_sglang.sglang_plugin.serving_budget import (ServingBudget,  # noqa: E402
                                                          LaggedHostCopy, StepTimer, _HostMark,
                                                          verify_costs)
 
@@ -21,12 +21,12 @@ def depth_probs(bs: int, per_budget: list[float]) -> torch.Tensor:
     return p.contiguous()
 
 
-def controller(costs: LiveStepCosts, **options) -> GPUBudgetController:
+def controller(costs: LiveStepCosts, **options) -> ServingBudget:
     runtimes = {b + 1: (f"backend{b}", f"graphs{b}") for b in BUDGETS}
-    return GPUBudgetController(BudgetController(BUDGETS, costs, DEPTH, **options), runtimes)
+    return ServingBudget(BudgetController(BUDGETS, costs, DEPTH, **options), runtimes)
 
 
-def make(costs: dict) -> GPUBudgetController:
+def make(costs: dict) -> ServingBudget:
     return controller(LiveStepCosts(costs), expected_decay=0.5)
 
 
@@ -144,7 +144,7 @@ def test_exploration_can_be_turned_off():
     assert [ab.choose(8) for _ in range(40)] == [32] * 40
 
 
-def gated(costs: dict, min_gain: float = 0.03, explore_every: int = 4) -> GPUBudgetController:
+def gated(costs: dict, min_gain: float = 0.03, explore_every: int = 4) -> ServingBudget:
     return controller(LiveStepCosts(costs, window=5, min_samples=1, skip_first=0),
                     expected_decay=0.5, explore_every=explore_every, min_gain=min_gain)
 
@@ -228,7 +228,7 @@ def test_grammar_batches_size_their_tree_from_their_own_step_costs():
 
     table = {8: {7: 10.0, 15: 10.2, 32: 10.5}}
     plain_costs = LiveStepCosts(table)
-    ab = GPUBudgetController(BudgetController(BUDGETS, plain_costs, DEPTH, expected_decay=0.5),
+    ab = ServingBudget(BudgetController(BUDGETS, plain_costs, DEPTH, expected_decay=0.5),
                         {b + 1: b for b in BUDGETS},
                         BudgetController(BUDGETS, copy.deepcopy(plain_costs), DEPTH,
                                          expected_decay=0.5, gate=False))

@@ -28,8 +28,8 @@ from typing import Sequence
 
 import torch
 
-from ddtree_sglang.grammar_masks import Matcher
-from ddtree_sglang.verify_layout import VerifyLayout, sibling_links
+from ddtree_sglang.grammar.masks import Matcher
+from ddtree_sglang.tree.verify_layout import VerifyLayout, sibling_links
 
 
 def children_lists(parents: Sequence[int]) -> list[list[int]]:

@@ -24,8 +24,8 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ddtree_sglang.bench.config import Arm, BenchConfig, ConfigError, describe_errors
-from ddtree_sglang.bench.grammars import kind_names
+from ddtree_bench.config import Arm, BenchConfig, ConfigError, describe_errors
+from ddtree_bench.grammars import kind_names
 
 RESULT_FILE = "slice.json"
 PHASES = ("e2e", "features", "rel", "cost", "profile", "micro", "kernel")
@@ -181,7 +181,7 @@ def estimate_seconds(plan: EvidencePlan, s: SlicePlan, levels: list[int]) -> flo
     """A slice's expected wall time on a cold machine: startup plus every cell."""
     if s.phase:
         return s.phase_seconds
-    from ddtree_sglang.bench.slices import WARMUP_S
+    from ddtree_bench.slices import WARMUP_S
 
     per_cell = len(s.arms) * (s.rounds or plan.rounds) * ((s.seconds or plan.seconds) + WARMUP_S)
     return plan.startup_seconds + per_cell * len(levels) * len(s.kinds)
@@ -203,7 +203,7 @@ def combined_cells(plan: EvidencePlan, results: list[dict]) -> list[dict]:
     median of the slices' median round-ratios with their range, the slice count, the accept
     lengths and the cards.  Ratios are to DFLASH ('dflash') and to plain, and the grammar tax
     (with grammar / without, same servers) beside DFLASH's."""
-    from ddtree_sglang.bench.slices import grammar_tax, ratio_to
+    from ddtree_bench.slices import grammar_tax, ratio_to
 
     acc: dict[tuple, dict] = {}
     for res in results:

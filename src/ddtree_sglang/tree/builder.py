@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_sglang.draft_tree import (DraftTree, TopLogProbs, check_budget, count_prefixes,
+from ddtree_sglang.tree.draft_tree import (DraftTree, TopLogProbs, check_budget, count_prefixes,
                                       torch_top_log_probs)
 
 __all__ = ["DraftTree", "build_draft_tree", "chain_tree", "check_budget", "count_prefixes",

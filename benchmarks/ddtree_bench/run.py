@@ -30,13 +30,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ddtree_sglang.bench import cells, client, compare, cost_mode, profile, report
-from ddtree_sglang.bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
+from ddtree_bench import cells, client, compare, cost_mode, profile, report
+from ddtree_bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config, replica_gpus)
-from ddtree_sglang.bench.server import Server, ServerSpec, stop_servers_on_sigterm
+from ddtree_bench.server import Server, ServerSpec, stop_servers_on_sigterm
 from ddtree_sglang.cli import (CliError, Parser, index_list, positive_int,
                               positive_int_list, run)
-from ddtree_sglang.model_files import names_hub_repo
+from ddtree_sglang.dflash.files import names_hub_repo
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts
 
 
