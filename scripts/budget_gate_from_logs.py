@@ -1,4 +1,4 @@
-"""What the batch-aware budget's gate (SGLANG_DDTREE_BUDGET_MIN_GAIN) decides for each batch
+"""What the batch-aware budget's gate (settings.MIN_GAIN) decides for each batch
 size of a recorded serving run, from its server logs alone (no GPU needed).
 
     python scripts/budget_gate_from_logs.py benchmarks/results/h100_testbed_auto_2026-12-05/call3

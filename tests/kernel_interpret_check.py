@@ -69,12 +69,21 @@ def main() -> None:
         for logits in kinds[:1] if budget >= WIDE else kinds:
             same_tree(logits, budget)
             runs += 1
-    g = torch.Generator().manual_seed(0)
-    near = [(torch.randn(4, 5, vocab, generator=g) * 1e-6, budget)  # near ties
-            for vocab, budget in [(3, 8), (3, 5), (4, 9)] * 2]
-    # the kernel runs (slowly, interpreted) on the first and on those whose winners the
-    # reference finds outside the first candidate pass (found by the reference alone)
-    picked = [case for i, case in enumerate(near) if i == 0 or reference_beams(*case)[1]]
+    # near ties: the kernel runs (slowly, interpreted) on one plain case and on the first two
+    # whose winners the reference finds outside the first candidate pass (found by the
+    # reference alone, over seeds: which random draws reach the second pass depends on the
+    # float rounding of the platform's random numbers)
+    shapes = [(3, 8), (3, 5), (4, 9)]
+    picked = []
+    for seed in range(64):
+        g = torch.Generator().manual_seed(seed)
+        for vocab, budget in shapes:
+            case = (torch.randn(4, 5, vocab, generator=g) * 1e-6, budget)
+            if not picked or reference_beams(*case)[1]:
+                picked.append(case)
+        if len(picked) >= 3:
+            break
+    picked = picked[:3]
     misses = 0
     for logits, budget in picked:
         misses += same_tree(logits, budget)

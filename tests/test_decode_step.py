@@ -107,11 +107,8 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
     w = make_step(serving_budget=SimpleNamespace(
-        choose=lambda bs, constrained: 3 + constrained,
-        start_step=lambda bs, b, constrained: calls.append((bs, b, constrained))))
-    assert w.begin_step(make_batch()).budget == 3 and calls == [(2, 3, False)]
-    plan = w.begin_step(make_batch(has_grammar=True))  # a grammar batch: its own lane
-    assert plan.budget == 4 and plan.constrained and calls[-1] == (2, 4, True)
+        choose=lambda bs: 3 + bs, start_step=lambda bs, b: calls.append((bs, b))))
+    assert w.begin_step(make_batch()).budget == 5 and calls == [(2, 5)]
     stale = make_batch()
     stale.spec_info = object()
     with pytest.raises(RuntimeError, match="DFlashDraftInputV2"):
@@ -368,9 +365,8 @@ def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
     accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
-    w.end_step(StepPlan(2, 5, constrained=True), tree, SimpleNamespace(logits_output=out),
-               accepted)
-    assert observed == [(2, 5, "probs", commit_lens, True)] and clock == ["end"]
+    w.end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
+    assert observed == [(2, 5, "probs", commit_lens)] and clock == ["end"]
     assert out.customized_info == {"ddtree_budget": [5, 5]}
 
 

@@ -115,48 +115,6 @@ def test_threaded_tree_masks_equal_serial_ones(setup):
     assert all(v < 1e6 for v in costs.us.values())  # re-measured
 
 
-def test_the_grammar_valid_layout_cuts_constrained_rows_to_their_valid_nodes(setup):
-    """A constrained request's rows become its best grammar-valid nodes (the per-request core
-    selection, gathered for the whole batch); a request without a grammar keeps the tree's
-    first nodes, as truncate_layout gives them."""
-    from ddtree_sglang.tree.draft_tree import DraftTree
-    from ddtree_sglang.grammar.valid_tree import select_nodes, valid_nodes
-    from ddtree_sglang.tree.verify_layout import build_verify_layout, truncate_layout
-    from ddtree_sglang.sglang_plugin.grammar_stage import grammar_valid_layout
-
-    vocab, compiled, sample = setup
-    # the sample's continuation as a chain, each node with a forbidden sibling first
-    toks = sample[6:12]
-    probe = request("probe", compiled, vocab, sample).grammar.matcher
-    parents, tokens = [-1], [0]
-    for t in toks:
-        chain = len(tokens) - 1 if len(tokens) > 1 else 0
-        forbidden = next(x for x in range(vocab) if not probe.accept_token(x))
-        assert probe.accept_token(t)
-        parents += [chain, chain]
-        tokens += [forbidden, t]  # a token the grammar forbids here, then the sample's
-    depth = [0]
-    for p in parents[1:]:
-        depth.append(depth[p] + 1)
-    tree = DraftTree(tokens=torch.tensor([tokens[1:]] * 2),
-                     parents=torch.tensor([[p - 1 for p in parents[1:]]] * 2),
-                     depths=torch.tensor([depth[1:]] * 2), scores=torch.zeros(2, len(depth) - 1))
-    full = build_verify_layout(tree, torch.tensor([tokens[0]] * 2), torch.tensor([9, 9]))
-    reqs = [request("json", compiled, vocab, sample), SimpleNamespace(rid="free", grammar=None)]
-    width = 6
-    got = grammar_valid_layout(reqs, full, width)
-    matcher = reqs[0].grammar.matcher
-    keep = select_nodes(parents, valid_nodes(matcher, parents, tokens), width)
-    assert keep == [0, 2, 4, 6, 8, 10]  # the valid chain, no forbidden sibling
-    n = len(tokens)
-    assert got.draft_tokens.view(2, width)[0].tolist() == [tokens[i] for i in keep]
-    plain = truncate_layout(full, width)
-    assert torch.equal(got.draft_tokens.view(2, width)[1], plain.draft_tokens.view(2, width)[1])
-    assert got.tree_parents[0].tolist() == [-1, 0, 1, 2, 3, 4] and n == 13
-    free_only = grammar_valid_layout([reqs[1], reqs[1]], full, width)
-    assert torch.equal(free_only.draft_tokens, plain.draft_tokens)
-
-
 def test_auto_stops_walking_a_request_whose_walk_costs_more_than_its_masks(setup):
     """The walk's own host time is measured too: a request whose walk (its fallback mask
     fills) costs more than its tree masks goes back to tree masks."""

@@ -122,13 +122,13 @@ def test_every_kernel_that_passes_is_used(checks):
 
 def test_each_failing_kernel_falls_back_with_its_reason(checks):
     checks.update(lse=False, builder="it built another tree", kv_move="RuntimeError: x")
-    k = choose(verify_attention="split", check_verify_attention=lambda v: f"{v} differs")
+    k = choose(verify_attention="kernel", check_verify_attention=lambda v: f"{v} differs")
     assert (k.tree_builder, k.accept, k.topk, k.logsumexp, k.kv_move, k.verify_attention) == \
         ("torch", "triton", True, False, False, "single")
     assert dict(k.dropped) == {"Triton logsumexp": "it disagrees with its PyTorch reference",
                                "fused tree kernel": "it built another tree",
                                "Triton KV move": "RuntimeError: x",
-                               "split verify attention": "split differs"}
+                               "kernel verify attention": "kernel differs"}
     assert "fused tree kernel not used: it built another tree" in k.describe()
 
 
@@ -137,4 +137,4 @@ def test_the_fused_builder_only_where_it_fits_or_when_not_asked(checks):
     assert choose(budget=512).tree_builder == "torch"   # beyond the kernel: exact fallback
     assert choose(depth=20).tree_builder == "torch"
     assert choose(tree_kernel="torch").tree_builder == "torch"
-    assert choose(tree_kernel="triton", budget=64).tree_builder == "triton"
+    assert choose(tree_kernel="auto", budget=64).tree_builder == "triton"

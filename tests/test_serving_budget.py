@@ -43,7 +43,7 @@ def test_first_steps_use_the_configured_budget_then_the_best_rate():
     for bs in (1, 64):  # a perfectly calibrated drafter: observed = predicted
         ab.observe(bs, 32, depth_probs(bs, expected),
                    torch.full((bs,), 5, dtype=torch.int32))
-    learned = ab.lanes[False].lagged.latest()
+    learned = ab._lagged.latest()
     for bs in (1, 64):
         want = brute_force(bs, learned.tolist(), [costs[bs][b] + ab.controller.costs.rest_ms.get(bs, 0.0)
                                                  for b in BUDGETS])
@@ -57,7 +57,7 @@ def test_calibration_lowers_an_overconfident_drafter():
     for _ in range(30):  # the drafter promises 4 tokens at every depth, requests accept 0
         ab.observe(8, 32, depth_probs(8, [4.0, 4.0, 4.0]),  # untimed: the table decides
                    torch.ones(8, dtype=torch.int32))
-    assert float(ab.lanes[False].lagged.latest().max()) < 0.05
+    assert float(ab._lagged.latest().max()) < 0.05
     assert ab.choose(8) == 7  # nothing is accepted: the cheapest verify wins
 
 
@@ -105,11 +105,11 @@ def test_statistics_are_updated_on_every_nth_step_only():
                   stats_every=3)
     ones = torch.full((8,), 5, dtype=torch.int32)  # every request accepts 4 draft tokens
     ab.observe(8, 32, depth_probs(8, [1.0, 2.0, 3.0]), ones)  # the first: kept
-    first = ab.lanes[False].lagged.latest().clone()
+    first = ab._lagged.latest().clone()
     ab.observe(8, 32, depth_probs(8, [0.0, 0.0, 0.0]), ones)  # skipped
-    assert torch.equal(ab.lanes[False].lagged.latest(), first)
+    assert torch.equal(ab._lagged.latest(), first)
     ab.observe(8, 32, depth_probs(8, [0.0, 0.0, 0.0]), ones)  # 3rd: kept
-    assert not torch.equal(ab.lanes[False].lagged.latest(), first)
+    assert not torch.equal(ab._lagged.latest(), first)
     assert ab.controller.steps[32] == 3  # every step is counted and timed
 
 
@@ -162,7 +162,7 @@ def test_a_host_bound_batch_size_verifies_the_largest_budget_with_no_choice(capl
         ab.observe(1, 32, depth_probs(1, [3.0, 3.0, 3.0]), torch.full((1,), 4, dtype=torch.int32))
     picks += [ab.choose(1) for _ in range(16)]
     assert picks == [32] * 32
-    assert ab.lanes[False].lagged.latest() is None  # no statistics were gathered
+    assert ab._lagged.latest() is None  # no statistics were gathered
     assert ab.controller.steps == {7: 0, 15: 0, 32: 4}
     assert sum("verifies the largest budget" in r.message for r in caplog.records) == 1
 
@@ -183,7 +183,7 @@ def test_an_engaged_choice_does_not_flip_on_gains_below_the_margin():
     ab = gated({8: {7: 5.0, 15: 5.05, 32: 9.0}}, explore_every=0)
     ab.controller.costs.observe(8, 32, 12.0)  # rest 3 ms: B=7 8 ms, B=15 8.05 ms, B=32 12 ms
     ab.observe(8, 32, depth_probs(8, [1.0, 1.02, 1.3]), torch.full((8,), 2, dtype=torch.int32))
-    expected = ab.lanes[False].lagged.latest().tolist()
+    expected = ab._lagged.latest().tolist()
     assert ab.choose(8) == brute_force(8, expected, [8.0, 8.05, 12.0]) == 15
     ab.controller.costs.observe(8, 7, 8.0)
     ab.controller.costs.observe(8, 15, 8.1)  # live: now B=7 is 0.4% better than B=15
@@ -215,39 +215,9 @@ def test_served_steps_on_a_host_bound_batch_never_leave_the_largest_budget(monke
         ab.start_step(4, budget)
         ab.observe(4, budget, depth_probs(4, [3.0, 3.0, 3.0]), torch.full((4,), 4, dtype=torch.int32))
         picks.append(budget)
-    assert picks == [32] * 40 and ab.lanes[False].lagged.latest() is None
+    assert picks == [32] * 40 and ab._lagged.latest() is None
     assert ab.controller.costs.row_ms(4, [32]) == [pytest.approx(4.4)]
     assert not ab.controller.engaged(4)
-
-
-def test_grammar_batches_size_their_tree_from_their_own_step_costs():
-    """With a lane of its own, a grammar batch whose steps pay host mask work that grows with
-    the tree picks a smaller tree, while the same batch size without a grammar keeps the
-    widest; the two lanes' step costs and statistics stay apart."""
-    import copy
-
-    table = {8: {7: 10.0, 15: 10.2, 32: 10.5}}
-    plain_costs = LiveStepCosts(table)
-    ab = ServingBudget(BudgetController(BUDGETS, plain_costs, DEPTH, expected_decay=0.5),
-                        {b + 1: b for b in BUDGETS},
-                        BudgetController(BUDGETS, copy.deepcopy(plain_costs), DEPTH,
-                                         expected_decay=0.5, gate=False))
-    expected = [2.0, 2.5, 2.8]
-    mask_ms = {7: 2.0, 15: 6.0, 32: 14.0}  # the grammar's host work per step
-    for _ in range(8):
-        for constrained in (False, True):
-            for budget in BUDGETS:
-                ms = table[8][budget] + (mask_ms[budget] if constrained else 0.0)
-                ab.lanes[constrained].controller.costs.observe(8, budget, ms)
-                ab.observe(8, budget, depth_probs(8, expected),
-                           torch.full((8,), 4, dtype=torch.int32), constrained)
-    assert ab.choose(8) == 32
-    assert ab.choose(8, constrained=True) == 7
-    plain, grammar = ab.lanes[False].controller, ab.lanes[True].controller
-    assert plain.costs is not grammar.costs and plain.steps[7] == 8 and grammar.steps[7] == 8
-    # sharing one lane (the default): a grammar batch is chosen for as any other
-    shared = controller(LiveStepCosts(table))
-    assert shared.lanes[True] is shared.lanes[False]
 
 
 def test_a_lane_without_the_gate_chooses_once_a_period_is_known():

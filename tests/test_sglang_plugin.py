@@ -95,8 +95,8 @@ def test_unset_attention_backend_gets_a_tree_capable_one(plugin_loaded, caplog, 
     (dict(speculative_num_draft_tokens=8), "accepted: B in 15..1023"),
     (dict(speculative_num_draft_tokens=5000), "--speculative-num-draft-tokens 16..1024"),
     (dict(attention_backend="fa3"), "accepted: triton, flashinfer"),
-    (dict(page_size=16), "--page-size 1 for now; got 16 (accepted: 1; page sizes up to 64 are "
-                         "implemented and await their GPU check"),
+    (dict(page_size=8), "--page-size 8 is not accepted; accepted: 1, 16 (checked on a GPU "
+                        "against plain SGLang); sizes up to 64 are implemented"),
     (dict(speculative_dflash_block_size=32), "accepted: 2..16"),
     (dict(speculative_draft_window_size=64), "--speculative-draft-window-size"),
     (dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
@@ -128,7 +128,8 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
     base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
                 speculative_num_draft_tokens=33, attention_backend="triton", page_size=1)
     for extra, needle in [(dict(enable_dp_attention=True), "--enable-dp-attention"),
-                          (dict(tp_size=2), "tensor parallelism is implemented and awaits its GPU check"),
+                          (dict(tp_size=2), "tensor parallelism is implemented and starts with "
+                                           "SGLANG_DDTREE_DEBUG=unchecked"),
                           (dict(model_path=str(hybrid)), "hybrid (mamba / linear-attention)"),
                           (dict(model_path=str(shallow)), "names layers [1] of a 2-layer target; "
                                                           "accepted: 0..0"),

@@ -178,28 +178,21 @@ def main() -> None:
         # (exploring every 2nd step per batch size, so that B = 7 surely verifies some steps;
         # acting on any gain: the testbed is host-bound, so the default 3% would keep B = 15)
         "ddtree_b15auto": ServerSpec(target, "ddtree_b15auto", "DDTREE", drafter, 16,
-                                     env={"SGLANG_DDTREE_EXPLORE_EVERY": "2",
-                                          "SGLANG_DDTREE_BUDGET_MIN_GAIN": "0"}),
+                                     env={"SGLANG_DDTREE_DEBUG": "switch_budgets"}),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
-        # the split verify attention (prefix without mask + tree with it, merged by LSE), used
-        # from 32 requests a verify: --prompts 32 makes the greedy check reach it
-        "ddtree_split": ServerSpec(target, "ddtree_split", "DDTREE", drafter, args.budget + 1,
-                                   env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"}),
-        # the tree-attention kernel (kernels/tree_attention.py; the default since run 6, so
-        # every other triton DDTREE arm uses it too), and SGLang's single masked call
-        "ddtree_kernel": ServerSpec(target, "ddtree_kernel", "DDTREE", drafter, args.budget + 1,
-                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
+        # SGLang's single masked verify call instead of the tree-attention kernel (the default:
+        # every other triton DDTREE arm uses kernels/tree_attention.py)
         "ddtree_single": ServerSpec(target, "ddtree_single", "DDTREE", drafter, args.budget + 1,
-                                    env={"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
+                                    env={"SGLANG_DDTREE_DEBUG": "sglang_attention"}),
         "dflash_triton": ServerSpec(target, "dflash_triton", "DFLASH", drafter),
         "plain_triton": ServerSpec(target, "plain_triton"),
         # the reference of the flashinfer arms (same kernels, same bf16 rounding)
         "plain_flashinfer": ServerSpec(target, "plain_flashinfer",
                                        attention_backend="flashinfer"),
-        # paged KV (16 tokens a page), implemented and started here for its check only
+        # paged KV (16 tokens a page)
         "ddtree_page16": ServerSpec(target, "ddtree_page16", "DDTREE", drafter, args.budget + 1,
-                                    page_size=16, env={"SGLANG_DDTREE_UNCHECKED": "page_size"}),
+                                    page_size=16),
         "plain_page16": ServerSpec(target, "plain_page16", page_size=16),
     }
     # Every arm's server starts at once (fixed KV pool, sleep on idle), so kernel compilation

@@ -31,11 +31,12 @@ TREE_KERNEL_MAX_BUDGET, TREE_KERNEL_MAX_DEPTH = 256, 16
 class Kernels:
     """The kernels of one worker's decode step.  The defaults are the PyTorch references.
 
-    tree_builder: "triton" (fused, kernels/tree_build.py) or "torch" (tree.build_draft_tree).
-    accept: "triton" (kernels/accept.py) or "torch" (decode_step.accept_stage).
+    tree_builder: "triton" (fused, kernels/tree_build.py) or "torch" (tree/builder.py).
+    accept: "triton" (kernels/accept.py) or "torch" (tree/stages.accept_stage).
     topk / logsumexp: the draft top-k's Triton kernels (kernels/topk.py, kernels/logsumexp.py).
     kv_move: the Triton KV move (kernels/kv_move.py); else the engine's generic move.
-    verify_attention: "kernel" / "split" (sglang_plugin/verify_attention.py) or "single".
+    verify_attention: "kernel" (kernels/tree_attention.py, installed by the SGLang plugin) or
+        "single" (the engine's own masked attention call).
     dropped: (kernel, why it is not used) for each kernel that failed its check.
     """
 
@@ -108,7 +109,7 @@ def choose_kernels(*, tree_kernel: str, budget: int, depth: int, vocab: int, out
                    check_verify_attention: Callable[[str], str | None] | None = None) -> Kernels:
     """Check every kernel on `device` once and return the set to use.
 
-    tree_kernel: "auto" or "triton" (the fused builder where it fits) or "torch".
+    tree_kernel: "auto" (the fused builder where it fits) or "torch".
     verify_attention: the asked variant; `check_verify_attention(variant)` says why it cannot
     be used (None: it can), the engine's comparison with its own attention kernel."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
@@ -125,7 +126,7 @@ def choose_kernels(*, tree_kernel: str, budget: int, depth: int, vocab: int, out
     lse = keep("Triton logsumexp", _check(lambda: _logsumexp_agrees(vocab, device, dtype)))
     chosen = Kernels(topk=topk, logsumexp=lse)
     builder = "torch"
-    if tree_kernel in ("auto", "triton") and budget <= TREE_KERNEL_MAX_BUDGET \
+    if tree_kernel == "auto" and budget <= TREE_KERNEL_MAX_BUDGET \
             and depth <= TREE_KERNEL_MAX_DEPTH:
         fused = replace(chosen, tree_builder="triton")
         if keep("fused tree kernel", check_builder(fused, chosen, budget, depth, vocab, device,

@@ -22,8 +22,7 @@ runs five stages over the records of step_records.py, the verify inside its widt
                     read off the same node logits when asked.
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
-target's top-K per node (greedy) or each depth's draws (sampled), and the grammar-valid tree
-(SGLANG_DDTREE_GRAMMAR_TREE=valid) reads the candidate tree before the verify.  The step
+target's top-K per node (greedy) or each depth's draws (sampled).  The step
 reaches the models and DFLASH's buffers only through `io`
 (model_io.py); worker.py builds it and captures its graphs.
 """
@@ -42,7 +41,7 @@ from ddtree_sglang.sampling.sample import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget
 from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choices,
-                                                      grammar_spines, grammar_valid_layout,
+                                                      grammar_spines,
                                                       sampled_grammar_choices,
                                                       start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
@@ -136,12 +135,11 @@ class DecodeStep:
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
         patches.clamp_seq_lens(batch, self.io.max_step_seq_len())
-        serving_budget, constrained = self.serving_budget, bool(batch.has_grammar)
-        budget = self.settings.budget if serving_budget is None else \
-            serving_budget.choose(bs, constrained)
+        serving_budget = self.serving_budget
+        budget = self.settings.budget if serving_budget is None else serving_budget.choose(bs)
         if serving_budget is not None:
-            serving_budget.start_step(bs, budget, constrained)
-        return StepPlan(bs=bs, budget=budget, draft_input=draft_input, constrained=constrained)
+            serving_budget.start_step(bs, budget)
+        return StepPlan(bs=bs, budget=budget, draft_input=draft_input)
 
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
@@ -149,10 +147,9 @@ class DecodeStep:
         is reported when traced); the step clock stops."""
         if self.serving_budget is not None:
             self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
-                                           accepted.commit.commit_lens, plan.constrained)
-            if self.settings.budget_trace:
-                patches.report_per_request(verified.logits_output, "ddtree_budget",
-                                           [plan.budget] * plan.bs)
+                                          accepted.commit.commit_lens)
+            patches.report_per_request(verified.logits_output, "ddtree_budget",
+                                       [plan.budget] * plan.bs)
         self.clock.end()
 
     @contextmanager
@@ -175,25 +172,21 @@ class DecodeStep:
 
     def build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor,
                    grammar_barrier=None) -> DraftedTree:
-        """Drafter states -> the trees cut to the plan's budget (for constrained requests
-        under SGLANG_DDTREE_GRAMMAR_TREE=valid, to their best grammar-valid nodes; under
-        SGLANG_DDTREE_GRAMMAR_FORCE=spine, rooted in what their grammar forces; both once the
-        grammars hold the previous step's tokens: `grammar_barrier`); with a grammar in the
+        """Drafter states -> the trees cut to the plan's budget (under
+        SGLANG_DDTREE_GRAMMAR_FORCE=spine, constrained requests' trees rooted in what their
+        grammar forces, once the grammars hold the previous step's tokens: `grammar_barrier`);
+        with a grammar in the
         batch, the host copy of the tree that the bitmask needs starts here, before the
         verify."""
         spine = batch.has_grammar and self.settings.grammar_force == "spine"
-        valid = batch.has_grammar and self.settings.grammar_tree == "valid"
-        if (spine or valid) and grammar_barrier is not None:
+        if spine and grammar_barrier is not None:
             grammar_barrier()  # the grammars hold the previous step's tokens
         inputs = (hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long())
         if spine:
             inputs += (grammar_spines(batch.reqs, self.depth, hidden.device),)
         layout, positions, depth_probs = unpack_tree_stage(self.stages.tree(*inputs),
                                                            self.stages.widths)
-        if valid:
-            layout = grammar_valid_layout(batch.reqs, layout, plan.width)
-        else:
-            layout = truncate_layout(layout, plan.width)
+        layout = truncate_layout(layout, plan.width)
         grammar_tree = None
         if batch.has_grammar:
             grammar_tree = sg.GrammarTree.from_device(
@@ -213,7 +206,7 @@ class DecodeStep:
         if tree.grammar_tree is not None:
             grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
                                          logits_output.next_token_logits.device,
-                                         self.settings.grammar, self.mask_costs)
+                                         self.settings.grammar_method, self.mask_costs)
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=forward_batch, can_run_graph=can_run_graph,
                         grammar=grammar, out_cache_loc=slots)

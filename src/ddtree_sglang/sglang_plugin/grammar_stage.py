@@ -6,8 +6,7 @@ SGLANG_DDTREE_GRAMMAR picks the method (settings.GRAMMAR_METHODS):
   tree    every constrained request's node masks by xgrammar's native traversal;
   path    greedy requests without logprobs walk their accepted path, the others as `tree`;
   auto    per request and step: a greedy request walks its path where its tree masks cost the
-          host more than WALK_ABOVE_US at its last masked step, else it gets tree masks;
-  python  SGLang's own Python traversal over the tree (what DFLASH and EAGLE run).
+          host more than WALK_ABOVE_US at its last masked step, else it gets tree masks.
 Why `auto`: tree masks are filled while the verify pass runs, so cheap ones (most JSON and regex
 states, ~20-150 us per request) cost the step nothing, whereas the walk runs after the verify
 and reads the top-K back; a bounded repetition (maxLength, {m,n}) makes one fill cost up to
@@ -31,8 +30,6 @@ import torch
 from ddtree_sglang.grammar.masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
                                          follow_paths, follow_sampled_paths)
 from ddtree_sglang.grammar.forcing import forced_rows, forced_tokens
-from ddtree_sglang.grammar.valid_tree import select_layout, select_nodes, valid_nodes
-from ddtree_sglang.tree.verify_layout import VerifyLayout, truncate_layout
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 
 WALK_ABOVE_US = 100.0  # auto: host us of one request's tree masks above which it walks
@@ -148,8 +145,8 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
                 matcher, next_token[i].tolist(), next_sibling[i].tolist(), tokens[i].tolist()),
                 req.rid)
             costs.walked(req.rid)
-        else:  # the python method takes SGLang's traversal for every request
-            masked.append((i, req, matcher if method != "python" else None))
+        else:  # tree masks: natively, or by SGLang's traversal where there is no matcher
+            masked.append((i, req, matcher))
     costs.keep_only({r.rid for r in reqs if r.grammar is not None})
     if not masked and not walked[True].walks and not walked[False].walks:
         return None
@@ -234,23 +231,3 @@ def grammar_spines(reqs: list, depth: int, device) -> torch.Tensor:
     if torch.cuda.is_available():
         rows = rows.pin_memory()
     return rows.to(device, non_blocking=True)
-
-
-def grammar_valid_layout(reqs: list, layout: VerifyLayout, width: int) -> VerifyLayout:
-    """The verify layout of `width` tokens a request cut from the candidate tree `layout`:
-    for a request with a native grammar, its best grammar-valid nodes (grammar_valid_tree.py; the
-    matchers must already hold the previous step's tokens), for any other the tree's first
-    nodes, as truncate_layout.  Reads the candidate tree back to the host (one wait for the
-    draft and tree stages)."""
-    bs, n = layout.tree_parents.shape
-    parents = layout.tree_parents.tolist()
-    tokens = layout.draft_tokens.view(bs, n).tolist()
-    prefix = list(range(width))
-    keep = []
-    for i, req in enumerate(reqs):
-        matcher = native_matcher(req) if req.grammar is not None else None
-        keep.append(prefix if matcher is None else
-                    select_nodes(parents[i], valid_nodes(matcher, parents[i], tokens[i]), width))
-    if all(k is prefix for k in keep):
-        return truncate_layout(layout, width)
-    return select_layout(layout, torch.tensor(keep, dtype=torch.long))

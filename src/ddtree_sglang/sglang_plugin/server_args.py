@@ -17,9 +17,9 @@ from typing import Any
 from ddtree_sglang.dflash.config import (DFlashConfig, NotADFlashCheckpoint, load_dflash_config,
                                          untappable_layers)
 from ddtree_sglang.dflash.files import ModelNotFound, model_dir
-from ddtree_sglang.sglang_plugin.settings import (MAX_BUDGET, MAX_CHECKED_PAGE_SIZE,
-                                                  DDTreeConfigError, DDTreeSettings,
-                                                  unchecked_setups)
+from ddtree_sglang.sglang_plugin.settings import (CHECKED_PAGE_SIZES, DEBUG_ENV, MAX_BUDGET,
+                                                  MAX_UNCHECKED_PAGE_SIZE, DDTreeConfigError,
+                                                  DDTreeSettings, debug_flags)
 
 logger = logging.getLogger(__name__)
 
@@ -243,25 +243,26 @@ def _drafter_and_budget_errors(args: Any, hf: dict) -> list[str]:
     return errors
 
 
-def _parallel_and_paging_errors(args: Any, unchecked: tuple[str, ...]) -> list[str]:
+def _parallel_and_paging_errors(args: Any, unchecked: bool) -> list[str]:
     """Page size, tensor / pipeline parallelism and DP attention: what is refused, and what is
-    implemented but waits for its GPU check (started only when SGLANG_DDTREE_UNCHECKED names
-    it)."""
+    implemented but waits for its GPU check (started only under SGLANG_DDTREE_DEBUG=unchecked,
+    for that check)."""
     errors = []
     page = _get(args, "page_size")
-    if page not in (None, 1) and not ("page_size" in unchecked
-                                      and 1 <= int(page) <= MAX_CHECKED_PAGE_SIZE):
-        errors.append(f"DDTREE serves --page-size 1 for now; got {page} (accepted: 1; page "
-                      f"sizes up to {MAX_CHECKED_PAGE_SIZE} are implemented and await their "
-                      "GPU check against plain SGLang)")
+    checked = ", ".join(map(str, CHECKED_PAGE_SIZES))
+    if page is not None and int(page) not in CHECKED_PAGE_SIZES and not (
+            unchecked and 1 <= int(page) <= MAX_UNCHECKED_PAGE_SIZE):
+        errors.append(f"--page-size {page} is not accepted; accepted: {checked} (checked on a "
+                      f"GPU against plain SGLang); sizes up to {MAX_UNCHECKED_PAGE_SIZE} are "
+                      f"implemented and start with {DEBUG_ENV}=unchecked, for their GPU check")
     if _get(args, "enable_dp_attention"):
         errors.append("DDTREE does not support --enable-dp-attention (accepted: off); run one "
                       "replica per GPU, or --tp-size, instead")
     tp = _get(args, "tp_size")
-    if tp not in (None, 1) and "tp" not in unchecked:
-        errors.append(f"DDTREE serves --tp-size 1 for now; got {tp} (accepted: 1, one replica "
-                      "per GPU; tensor parallelism is implemented and awaits its GPU check "
-                      "against plain SGLang on several GPUs)")
+    if tp not in (None, 1) and not unchecked:
+        errors.append(f"--tp-size {tp} is not accepted yet; accepted: 1 (one replica per GPU); "
+                      f"tensor parallelism is implemented and starts with {DEBUG_ENV}=unchecked, "
+                      "for its GPU check against plain SGLang on several GPUs")
     pp = _get(args, "pp_size")
     if pp not in (None, 1):
         errors.append(f"DDTREE supports --pp-size 1 only; got {pp} (accepted: 1; use "
@@ -280,10 +281,9 @@ def validate(args: Any) -> None:
     errors += _drafter_and_budget_errors(args, hf)
     errors += _backend_errors(args)
     try:
-        unchecked = unchecked_setups()
-    except DDTreeConfigError as exc:
-        errors.append(str(exc))
-        unchecked = ()
+        unchecked = "unchecked" in debug_flags()
+    except DDTreeConfigError:  # reported with the other settings above
+        unchecked = False
     errors += _parallel_and_paging_errors(args, unchecked)
     if _get(args, "speculative_draft_window_size") is not None:
         errors.append("DDTREE does not support --speculative-draft-window-size (accepted: unset)")

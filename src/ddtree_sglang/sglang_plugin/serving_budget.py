@@ -1,8 +1,8 @@
 """The SGLang side of the batch-aware tree budget (budget.BudgetController has the logic).
 
 Per step the worker calls:
-  * `choose(bs, constrained)` on the host, before the draft: the controller's choice (the
-    grammar lane's when `constrained`, see ServingBudget) from the batch size, the step costs
+  * `choose(bs)` on the host, before the draft: the controller's choice from the batch size,
+    the step costs
     and the drafter's calibrated expected acceptance as of an earlier step (a non-blocking
     copy, `LaggedHostCopy`: nothing waits for the GPU);
   * `runtimes[width]`: the target attention backend and verify CUDA graphs for that width,
@@ -20,7 +20,6 @@ replaying its graph; what the rest of a step costs is learned per batch size fro
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import deque
@@ -29,7 +28,7 @@ import torch
 
 from ddtree_sglang.budget.controller import BudgetController, LiveStepCosts
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
-from ddtree_sglang.sglang_plugin.settings import DEFAULT_EXPLORE_EVERY, DEFAULT_MIN_GAIN
+from ddtree_sglang.sglang_plugin.settings import EXPLORE_EVERY, MIN_GAIN
 
 logger = logging.getLogger(__name__)
 
@@ -127,71 +126,48 @@ class StepTimer:
         return done
 
 
-class _Lane:
-    """One budget controller and the host copy of its latest expected acceptance."""
+class ServingBudget:
+    """The SGLang side of the batch-aware budget (one per worker): a budget.BudgetController
+    fed with CUDA step timings and read back without waiting, plus the target verify runtime
+    (attention backend, CUDA graphs) of every candidate width."""
 
-    def __init__(self, controller: BudgetController) -> None:
+    def __init__(self, controller: BudgetController, runtimes: dict[int, tuple]) -> None:
         self.controller = controller
-        self.lagged = LaggedHostCopy((len(controller.budgets),), torch.float32)
-        self._src: torch.Tensor | None = None  # the copy `_host` came from
-        self._host: list[float] | None = None
+        self.runtimes = runtimes  # verify width -> (attention backend, graph runner)
+        self._lagged = LaggedHostCopy((len(controller.budgets),), torch.float32)
+        self._lagged_src: torch.Tensor | None = None  # the copy `_expected` came from
+        self._expected: list[float] | None = None
+        self._timer = StepTimer()
 
     def expected(self) -> list[float] | None:
         """The newest landed copy of the per-request expected acceptance, as host floats
         (converted once per copy, not once per step)."""
-        value = self.lagged.latest()
-        if value is not None and value is not self._src:
-            self._src, self._host = value, value.tolist()
-        return None if value is None else self._host
+        value = self._lagged.latest()
+        if value is not None and value is not self._lagged_src:
+            self._lagged_src, self._expected = value, value.tolist()
+        return None if value is None else self._expected
 
+    def choose(self, bs: int) -> int:
+        """The budget for a decode batch of `bs` requests (host only; no GPU wait)."""
+        for (batch, budget), ms in self._timer.finished():
+            self.controller.costs.observe(batch, budget, ms)
+        return self.controller.choose(bs, self.expected())
 
-class ServingBudget:
-    """The SGLang side of the batch-aware budget (one per worker): budget.BudgetControllers
-    fed with CUDA step timings and read back without waiting, plus the target verify runtime
-    (attention backend, CUDA graphs) of every candidate width.
-
-    Batches with a grammar have a lane of their own (`constrained`: a controller with its own
-    step costs and acceptance statistics, or None to share the one lane): their steps pay the
-    grammar's host work, which grows with the tree and differs by grammar and host, so their
-    tree is sized from their own measured step periods.  The gate is off there (a smaller
-    tree saves host mask work too, which the verify-time bound does not see)."""
-
-    def __init__(self, controller: BudgetController, runtimes: dict[int, tuple],
-                 constrained: BudgetController | None = None) -> None:
-        self.runtimes = runtimes  # verify width -> (attention backend, graph runner)
-        lane = _Lane(controller)
-        self.lanes = {False: lane, True: _Lane(constrained) if constrained else lane}
-        self._timer = StepTimer()
-
-    @property
-    def controller(self) -> BudgetController:
-        """The controller of batches without a grammar."""
-        return self.lanes[False].controller
-
-    def choose(self, bs: int, constrained: bool = False) -> int:
-        """The budget for a decode batch of `bs` requests (host only; no GPU wait);
-        `constrained`: some request of the batch has a grammar."""
-        for (lane, batch, budget), ms in self._timer.finished():
-            self.lanes[lane].controller.costs.observe(batch, budget, ms)
-        lane = self.lanes[constrained]
-        return lane.controller.choose(bs, lane.expected())
-
-    def start_step(self, bs: int, budget: int, constrained: bool = False) -> None:
+    def start_step(self, bs: int, budget: int) -> None:
         """A decode step of `bs` requests verifying `budget` starts (times the one before)."""
-        self._timer.start((constrained, bs, budget))
+        self._timer.start((bs, budget))
 
     def interrupt(self) -> None:
         """A forward other than a decode step runs (prefill, idle): not part of a step."""
         self._timer.interrupt()
 
     def observe(self, bs: int, budget: int, depth_probs: torch.Tensor,
-                commit_lens: torch.Tensor, constrained: bool = False) -> None:
+                commit_lens: torch.Tensor) -> None:
         """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
         predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
-        lane = self.lanes[constrained]
-        expected = lane.controller.observe(bs, budget, depth_probs, commit_lens.long() - 1)
+        expected = self.controller.observe(bs, budget, depth_probs, commit_lens.long() - 1)
         if expected is not None:
-            lane.lagged.push(expected)
+            self._lagged.push(expected)
 
 
 def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | None:
@@ -209,13 +185,11 @@ def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | Non
 
 
 def build_serving_budget(runner, budgets: list[int], depth: int, device, prepare_backend=None,
-                          log: bool = True, explore_every: int = DEFAULT_EXPLORE_EVERY,
-                          min_gain: float = DEFAULT_MIN_GAIN,
-                          grammar_lane: bool = False) -> ServingBudget | None:
+                         log: bool = True, explore_every: int = EXPLORE_EVERY,
+                         min_gain: float = MIN_GAIN) -> ServingBudget | None:
     """A target verify (attention backend + CUDA graphs) per candidate width of the target's
     model `runner`, each timed; or None, with a warning (every step then verifies the largest
-    budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory.
-    grammar_lane: batches with a grammar get a controller of their own (ServingBudget)."""
+    budget), where that cannot be: CUDA graphs off, graphs that cannot be timed, no memory."""
     largest = budgets[-1]
     runtimes = {largest + 1: sg.verify_runtime(runner)}
     if runtimes[largest + 1][1] is None or not torch.cuda.is_available():
@@ -246,10 +220,4 @@ def build_serving_budget(runner, budgets: list[int], depth: int, device, prepare
                      for bs, row in costs.table.items()})
     controller = BudgetController(budgets, costs, depth, device, min_gain=min_gain,
                                   explore_every=explore_every, stats_every=4, log=log)
-    constrained = None
-    if grammar_lane:
-        constrained = BudgetController(budgets, copy.deepcopy(costs), depth, device,
-                                       min_gain=min_gain, explore_every=explore_every or
-                                       DEFAULT_EXPLORE_EVERY, stats_every=4, log=log,
-                                       gate=False)
-    return ServingBudget(controller, runtimes, constrained)
+    return ServingBudget(controller, runtimes)

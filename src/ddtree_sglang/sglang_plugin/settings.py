@@ -1,16 +1,21 @@
-"""Every DDTREE setting in one frozen object: the SGLANG_DDTREE_* environment knobs and what
-the server arguments fix (the tree budget, the draft block).
+"""Every DDTREE setting in one frozen object: the four SGLANG_DDTREE_* environment settings and
+what the server arguments fix (the tree budget, the draft block).
 
-`DDTreeSettings.from_values` is the one place a knob is read and checked: argument
-validation (server_args.validate) builds it (a bad value stops the server at startup, naming
-the accepted values), and the worker builds it once in its own process from the same
-arguments and environment (server_args.settings_from_args).
-Nothing else reads `os.environ`.  `KNOBS` is the table behind it; `check_env` serves the
-benchmark's per-arm environments.
+A user sets the budget (--speculative-num-draft-tokens, and SGLANG_DDTREE_BUDGETS for the
+batch-aware choice) and, for structured output, the grammar method and its forced spine.
+Everything else is fixed by measurement; what a maintainer may still switch for a diagnosis or
+a GPU check sits under one setting, SGLANG_DDTREE_DEBUG (DEBUG_FLAGS says what each flag does).
+
+`DDTreeSettings.from_values` is the one place the server reads them: argument validation
+(server_args.validate) builds it (a bad value stops the server at startup, naming the accepted
+values), the worker builds it once in its own process from the same arguments and environment
+(server_args.settings_from_args), and `ddtree-check` reports the same problems before a GPU is
+needed (`environment_problems`).  `check_env` serves the benchmark's per-arm environments.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -19,28 +24,37 @@ from ddtree_sglang.budget.controller import candidate_budgets
 
 
 class DDTreeConfigError(ValueError):
-    """A server argument or knob DDTREE cannot run with; the message names the accepted values."""
+    """A server argument or setting DDTREE cannot run with; the message names the accepted
+    values."""
 
 
 MAX_BUDGET = 1023
+PREFIX = "SGLANG_DDTREE_"
 BUDGETS_ENV = "SGLANG_DDTREE_BUDGETS"
-EXPLORE_ENV = "SGLANG_DDTREE_EXPLORE_EVERY"
-MIN_GAIN_ENV = "SGLANG_DDTREE_BUDGET_MIN_GAIN"
-VERIFY_ATTENTION_ENV = "SGLANG_DDTREE_VERIFY_ATTENTION"
-HOST_TIMING_ENV = "SGLANG_DDTREE_HOST_TIMING"
-BUDGET_TRACE_ENV = "SGLANG_DDTREE_BUDGET_TRACE"
-TREE_KERNEL_ENV = "SGLANG_DDTREE_TREE_KERNEL"
-CUDA_GRAPH_TREE_ENV = "SGLANG_DDTREE_CUDA_GRAPH_TREE"
 GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
-GRAMMAR_METHODS = ("tree", "path", "auto", "python")  # sglang_plugin/grammar_stage.py
-GRAMMAR_BUDGET_ENV = "SGLANG_DDTREE_GRAMMAR_BUDGET"
-GRAMMAR_TREE_ENV = "SGLANG_DDTREE_GRAMMAR_TREE"
+GRAMMAR_METHODS = ("tree", "path", "auto")  # sglang_plugin/grammar_stage.py
 GRAMMAR_FORCE_ENV = "SGLANG_DDTREE_GRAMMAR_FORCE"
-UNCHECKED_ENV = "SGLANG_DDTREE_UNCHECKED"
-UNCHECKED_SETUPS = ("tp", "page_size")  # implemented, refused until a GPU run checks them
-MAX_CHECKED_PAGE_SIZE = 64
-DEFAULT_EXPLORE_EVERY = 32
-DEFAULT_MIN_GAIN = 0.03
+DEBUG_ENV = "SGLANG_DDTREE_DEBUG"
+# The least predicted gain the batch-aware budget acts on, and how often it explores a
+# candidate it has measured least (budget/controller.py says why; fixed by measurement).
+MIN_GAIN = 0.03
+EXPLORE_EVERY = 32
+# Page sizes checked on a GPU against plain SGLang at the same page size; 2..64 are implemented
+# (CPU-tested) and start only under SGLANG_DDTREE_DEBUG=unchecked.
+CHECKED_PAGE_SIZES = (1, 16)
+MAX_UNCHECKED_PAGE_SIZE = 64
+
+DEBUG_FLAGS = {
+    "host_timing": "log the host's milliseconds per decode step, by stage",
+    "torch_tree": "build the tree with PyTorch instead of the fused Triton kernel",
+    "sglang_attention": "verify with SGLang's own masked extend kernel instead of DDTREE's "
+                        "tree-attention kernel",
+    "unchecked": "start set-ups implemented but not yet checked on a GPU against plain "
+                 "SGLang (--tp-size > 1, --page-size 2..64 other than 16), for that check",
+    "switch_budgets": "the batch-aware budget explores every second step and acts on any "
+                      "predicted gain, so that requests move between budgets (for the GPU "
+                      "check that they stay exact)",
+}
 
 
 def parse_budgets(value: str, max_budget: int) -> tuple[int, ...]:
@@ -73,147 +87,112 @@ def _choice(name: str, values: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-def parse_unchecked(value: str) -> tuple[str, ...]:
-    """SGLANG_DDTREE_UNCHECKED: off, or a comma list of the set-ups to start before their GPU
-    check (for that check)."""
-    value = value.strip()
-    if value == "off":
-        return ()
-    names = tuple(x.strip() for x in value.split(",") if x.strip())
-    bad = [x for x in names if x not in UNCHECKED_SETUPS]
-    if bad or not names:
-        raise DDTreeConfigError(f"{UNCHECKED_ENV}={value!r} is not accepted; accepted: off "
-                                f"(default) or a comma list of {', '.join(UNCHECKED_SETUPS)}")
+def parse_debug(value: str) -> frozenset[str]:
+    """SGLANG_DDTREE_DEBUG: empty (the default), or a comma list of DEBUG_FLAGS."""
+    names = frozenset(x.strip() for x in value.split(",") if x.strip())
+    bad = sorted(names - set(DEBUG_FLAGS))
+    if bad:
+        raise DDTreeConfigError(f"{DEBUG_ENV}={value!r} names unknown flag(s) {', '.join(bad)}; "
+                                f"accepted: a comma list of {', '.join(DEBUG_FLAGS)} "
+                                "(default: none)")
     return names
 
 
-def unchecked_setups(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The set-ups awaiting their GPU check that this environment starts anyway."""
-    env = os.environ if environ is None else environ
-    return parse_unchecked(env.get(UNCHECKED_ENV, "off"))
-
-
-def _explore_every(value: str) -> int:
-    try:
-        n = int(value.strip())
-    except ValueError:
-        n = -1
-    if n != 0 and n < 2:
-        raise DDTreeConfigError(f"{EXPLORE_ENV}={value!r} is not accepted; accepted: an integer "
-                                f">= 2 (one step in N per batch size tries the least-measured "
-                                f"budget; default {DEFAULT_EXPLORE_EVERY}) or 0 (never)")
-    return n
-
-
-def _min_gain(value: str) -> float:
-    try:
-        x = float(value.strip())
-    except ValueError:
-        x = -1.0
-    if not 0.0 <= x <= 0.5:
-        raise DDTreeConfigError(f"{MIN_GAIN_ENV}={value!r} is not accepted; accepted: a number "
-                                f"in [0, 0.5], the least predicted gain in tokens/ms the "
-                                f"batch-aware budget acts on (default {DEFAULT_MIN_GAIN}: "
-                                f"{DEFAULT_MIN_GAIN:.0%}; 0: any gain)")
-    return x
-
-
 @dataclass(frozen=True)
-class Knob:
+class Setting:
     """One SGLANG_DDTREE_* environment setting: its default and its parser (raising
     DDTreeConfigError that names the accepted values)."""
 
     name: str
     default: str
     parse: Callable[[str], Any]
-    meaning: str
 
 
-_KNOB_LIST = (
-    Knob(BUDGETS_ENV, "auto", lambda v: parse_budgets(v, MAX_BUDGET),
-         "the batch-aware budget's candidates: auto, off, or a comma list"),
-    Knob(MIN_GAIN_ENV, str(DEFAULT_MIN_GAIN), _min_gain,
-         "the least predicted gain the batch-aware budget acts on"),
-    Knob(EXPLORE_ENV, str(DEFAULT_EXPLORE_EVERY), _explore_every,
-         "one step in N per batch size verifies the least-measured candidate (0: never)"),
-    Knob(TREE_KERNEL_ENV, "auto", _choice(TREE_KERNEL_ENV, ("auto", "torch", "triton")),
-         "the tree builder: the fused Triton kernel where it fits (auto), or PyTorch"),
-    Knob(VERIFY_ATTENTION_ENV, "kernel",
-         _choice(VERIFY_ATTENTION_ENV, ("kernel", "single", "split")),
-         "the tree verify attention with the triton backend"),
-    Knob(CUDA_GRAPH_TREE_ENV, "1", _choice(CUDA_GRAPH_TREE_ENV, ("1", "0")),
-         "CUDA graphs for the tree and acceptance stages"),
-    Knob(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, GRAMMAR_METHODS),
-         "structured output's masks: native per node (tree), along the accepted path "
-         "(path: greedy requests by the target's top-K, others with a mask per visited node), "
-         "path where a request's tree masks cost more than its walk (auto), or SGLang's "
-         "Python traversal (python)"),
-    Knob(GRAMMAR_BUDGET_ENV, "shared", _choice(GRAMMAR_BUDGET_ENV, ("shared", "own")),
-         "the batch-aware budget for batches with a grammar: the same costs as the rest "
-         "(shared), or step costs and statistics of their own (own: their tree sized by what "
-         "their steps, grammar masks included, take on this host)"),
-    Knob(GRAMMAR_TREE_ENV, "all", _choice(GRAMMAR_TREE_ENV, ("all", "valid")),
-         "which candidate nodes a constrained request verifies: the tree's best (all), or its "
-         "best grammar-valid ones (valid: the tree is read back and checked on the host "
-         "before the verify; room to gain where the verify is narrower than the candidate "
-         "tree)"),
-    Knob(GRAMMAR_FORCE_ENV, "off", _choice(GRAMMAR_FORCE_ENV, ("off", "spine")),
-         "tokens the grammar forces at a constrained request's root (spine: its jump-forward "
-         "string, tokenized by the request's tokenizer, takes the tree's first depths; "
-         "CPU-tested, opt-in until a GPU slice measures it)"),
-    Knob(UNCHECKED_ENV, "off", parse_unchecked,
-         "set-ups implemented but refused until a GPU run checks them, started anyway: tp "
-         "(--tp-size > 1), page_size (--page-size 2..64); for those GPU checks"),
-    Knob(HOST_TIMING_ENV, "0", _choice(HOST_TIMING_ENV, ("0", "1")),
-         "log the host's time per decode step by stage"),
-    Knob(BUDGET_TRACE_ENV, "1", _choice(BUDGET_TRACE_ENV, ("1", "0")),
-         "the per-step budget list in each response's meta_info"),
+_SETTING_LIST = (
+    Setting(BUDGETS_ENV, "auto", lambda v: parse_budgets(v, MAX_BUDGET)),
+    Setting(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, GRAMMAR_METHODS)),
+    Setting(GRAMMAR_FORCE_ENV, "off", _choice(GRAMMAR_FORCE_ENV, ("off", "spine"))),
+    Setting(DEBUG_ENV, "", parse_debug),
 )
-KNOBS: dict[str, Knob] = {k.name: k for k in _KNOB_LIST}
-
-
-PREFIX = "SGLANG_DDTREE_"
+SETTINGS: dict[str, Setting] = {k.name: k for k in _SETTING_LIST}
 
 
 def unknown_name_error(name: str) -> str:
-    """The message for a SGLANG_DDTREE_* name that is no knob: the nearest known one first."""
-    import difflib
-
-    tails = {k.removeprefix(PREFIX): k for k in KNOBS}  # the shared prefix says nothing
+    """The message for a SGLANG_DDTREE_* name that is no setting: the nearest known one first,
+    and where a setting of an earlier release went."""
+    tails = {k.removeprefix(PREFIX): k for k in SETTINGS}  # the shared prefix says nothing
     near = difflib.get_close_matches(name.removeprefix(PREFIX), tails, n=1, cutoff=0.6)
     hint = f"did you mean {tails[near[0]]}? " if near else ""
-    return f"unknown setting {name!r}; {hint}accepted: {', '.join(sorted(KNOBS))}"
+    gone = RETIRED.get(name)
+    if gone:
+        hint = f"it was retired: {gone}; "
+    return f"unknown setting {name!r}; {hint}accepted: {', '.join(sorted(SETTINGS))}"
+
+
+# Settings of earlier releases, and what replaced them (a user upgrading reads why).
+RETIRED = {
+    f"{PREFIX}BUDGET_MIN_GAIN": f"fixed at {MIN_GAIN}",
+    f"{PREFIX}EXPLORE_EVERY": f"fixed at {EXPLORE_EVERY}",
+    f"{PREFIX}BUDGET_TRACE": "each response's meta_info.ddtree_budget is always reported",
+    f"{PREFIX}TREE_KERNEL": f"{DEBUG_ENV}=torch_tree",
+    f"{PREFIX}VERIFY_ATTENTION": f"{DEBUG_ENV}=sglang_attention (split lost at every size)",
+    f"{PREFIX}CUDA_GRAPH_TREE": "follows SGLang's own CUDA-graph switches",
+    f"{PREFIX}HOST_TIMING": f"{DEBUG_ENV}=host_timing",
+    f"{PREFIX}UNCHECKED": f"{DEBUG_ENV}=unchecked (page size 16 needs nothing)",
+    f"{PREFIX}GRAMMAR_TREE": "the grammar-valid tree was measured on the CPU only and removed",
+    f"{PREFIX}GRAMMAR_BUDGET": "the grammar's own budget lane was measured on the CPU only and "
+                               "removed",
+}
 
 
 def check_env(name: str, value: str) -> None:
     """Raise DDTreeConfigError naming the accepted names / values if `name=value` is not a
-    DDTREE knob setting (a benchmark arm's env: the budget list is checked against 1..1023,
-    the server checks it against its B)."""
-    knob = KNOBS.get(name)
-    if knob is None:
+    DDTREE setting (a benchmark arm's env: the budget list is checked against 1..1023, the
+    server checks it against its B)."""
+    setting = SETTINGS.get(name)
+    if setting is None:
         raise DDTreeConfigError(unknown_name_error(name))
-    knob.parse(value)
+    setting.parse(value)
+
+
+def environment_problems(environ: Mapping[str, str] | None = None,
+                         max_budget: int = MAX_BUDGET) -> list[str]:
+    """Every problem with the SGLANG_DDTREE_* settings of `environ` (default: this process's):
+    unknown names and bad values, one message each (empty: all good)."""
+    env = os.environ if environ is None else environ
+    problems = [unknown_name_error(name) for name in sorted(env)
+                if name.startswith(PREFIX) and name not in SETTINGS]
+    for setting in _SETTING_LIST:
+        raw = env.get(setting.name, setting.default)
+        try:
+            parse_budgets(raw, max_budget) if setting.name == BUDGETS_ENV else setting.parse(raw)
+        except DDTreeConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The SGLANG_DDTREE_DEBUG flags of `environ` (default: this process's)."""
+    env = os.environ if environ is None else environ
+    return parse_debug(env.get(DEBUG_ENV, ""))
 
 
 @dataclass(frozen=True)
 class DDTreeSettings:
-    """What one DDTREE server runs with (see KNOBS for the knobs' meanings)."""
+    """What one DDTREE server runs with."""
 
     budget: int  # B: the largest tree, --speculative-num-draft-tokens - 1
     block_size: int  # the draft block (the drafter's, or --speculative-dflash-block-size)
-    budgets: tuple[int, ...]  # the batch-aware candidates, ending with B
-    min_gain: float
-    explore_every: int
-    tree_kernel: str
-    verify_attention: str
-    verify_attention_named: bool  # named in the environment (not the default)
-    cuda_graph_tree: bool
-    grammar: str
-    grammar_budget: str
-    grammar_tree: str
-    grammar_force: str
-    host_timing: bool
-    budget_trace: bool
+    budgets: tuple[int, ...] = ()  # the batch-aware candidates, ending with B (() = (B,))
+    grammar_method: str = "tree"  # SGLANG_DDTREE_GRAMMAR
+    grammar_force: str = "off"  # SGLANG_DDTREE_GRAMMAR_FORCE
+    debug: frozenset[str] = frozenset()  # SGLANG_DDTREE_DEBUG
+    min_gain: float = MIN_GAIN
+    explore_every: int = EXPLORE_EVERY
+
+    def __post_init__(self) -> None:
+        if not self.budgets:
+            object.__setattr__(self, "budgets", (self.budget,))
 
     @property
     def depth(self) -> int:
@@ -225,33 +204,40 @@ class DDTreeSettings:
         """Tokens a request verifies at the largest budget: the root and B nodes."""
         return self.budget + 1
 
+    @property
+    def host_timing(self) -> bool:
+        return "host_timing" in self.debug
+
+    @property
+    def tree_kernel(self) -> str:
+        """The tree builder asked for: the fused Triton kernel where it fits, or PyTorch."""
+        return "torch" if "torch_tree" in self.debug else "auto"
+
+    @property
+    def verify_attention(self) -> str:
+        """The tree verify attention asked for with the triton backend: DDTREE's kernel
+        (checked against SGLang's at startup) or SGLang's own ("single")."""
+        return "single" if "sglang_attention" in self.debug else "kernel"
+
     @classmethod
     def from_values(cls, budget: int, block_size: int,
                     environ: Mapping[str, str] | None = None) -> "DDTreeSettings":
-        """The settings for a budget and block, with the knobs of `environ` (default: this
-        process's environment); raises DDTreeConfigError listing every bad knob and every
-        SGLANG_DDTREE_* name that is none (a misspelt knob would otherwise be ignored)."""
+        """The settings for a budget and block, with the SGLANG_DDTREE_* settings of `environ`
+        (default: this process's environment); raises DDTreeConfigError listing every bad
+        value and every SGLANG_DDTREE_* name that is none (a misspelt setting would otherwise
+        be ignored)."""
         env = os.environ if environ is None else environ
-        errors: list[str] = [unknown_name_error(name) for name in sorted(env)
-                             if name.startswith(PREFIX) and name not in KNOBS]
-        values: dict[str, Any] = {}
-        for knob in _KNOB_LIST:
-            raw = env.get(knob.name, knob.default)
-            try:
-                values[knob.name] = (parse_budgets(raw, budget) if knob.name == BUDGETS_ENV
-                                     else knob.parse(raw))
-            except DDTreeConfigError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise DDTreeConfigError("\n  - ".join(errors))
-        return cls(budget=budget, block_size=block_size, budgets=values[BUDGETS_ENV],
-                   min_gain=values[MIN_GAIN_ENV], explore_every=values[EXPLORE_ENV],
-                   tree_kernel=values[TREE_KERNEL_ENV],
-                   verify_attention=values[VERIFY_ATTENTION_ENV],
-                   verify_attention_named=VERIFY_ATTENTION_ENV in env,
-                   cuda_graph_tree=values[CUDA_GRAPH_TREE_ENV] == "1",
-                   grammar=values[GRAMMAR_ENV], grammar_budget=values[GRAMMAR_BUDGET_ENV],
-                   grammar_tree=values[GRAMMAR_TREE_ENV],
-                   grammar_force=values[GRAMMAR_FORCE_ENV],
-                   host_timing=values[HOST_TIMING_ENV] == "1",
-                   budget_trace=values[BUDGET_TRACE_ENV] == "1")
+        problems = environment_problems(env, budget)
+        if problems:
+            raise DDTreeConfigError("\n  - ".join(problems))
+
+        def value(name: str) -> str:
+            return env.get(name, SETTINGS[name].default)
+
+        debug = parse_debug(value(DEBUG_ENV))
+        switch = "switch_budgets" in debug
+        return cls(budget=budget, block_size=block_size,
+                   budgets=parse_budgets(value(BUDGETS_ENV), budget),
+                   grammar_method=value(GRAMMAR_ENV), grammar_force=value(GRAMMAR_FORCE_ENV),
+                   debug=debug, min_gain=0.0 if switch else MIN_GAIN,
+                   explore_every=2 if switch else EXPLORE_EVERY)

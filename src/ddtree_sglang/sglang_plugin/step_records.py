@@ -20,13 +20,11 @@ from ddtree_sglang.sampling.penalties import PenaltyParams
 @dataclass(frozen=True)
 class StepPlan:
     """What this step verifies: bs requests, each a tree of `budget` nodes plus its root, from
-    the relay state the previous step left (draft_input: its bonus tokens are the roots);
-    constrained: some request has a grammar (the budget came from that lane)."""
+    the relay state the previous step left (draft_input: its bonus tokens are the roots)."""
 
     bs: int
     budget: int
     draft_input: Any = None
-    constrained: bool = False
 
     @property
     def width(self) -> int:

@@ -1,25 +1,13 @@
-"""Tree verify attention as two partial attentions: the prefix without a mask, the tree with one.
+"""DDTREE's tree verify attention, installed in place of SGLang's Triton extend kernel for
+tree verifies (kernels/tree_attention.py: the cached prefix without a mask, split over KV
+blocks, then the tree tokens under their mask, in one online softmax).
 
-SGLang's Triton extend kernel has one variant for a custom (tree) mask.  Although it skips the
-mask on the cached prefix, that variant's prefix loop is slower than the causal one for the
-very same chain under load (benchmarks/verify_attention.py measures both; the numbers are in
-benchmarks/results/).  A verify query sees its whole prefix, so attention splits exactly
-into
-
-    prefix part: the mask-free variant over the cached prefix only (skip_extend), and
-    tree part:   the masked variant over the <= B + 1 tree tokens only (skip_prefix),
-
-each returning its normalised output and log-sum-exp, merged by SGLang's `merge_state_triton`
-(the split SGLang itself uses for decode context parallelism).  The merge is the same
-arithmetic as the kernel's online softmax, in float32, so the result equals the single call's
-up to float rounding; the worker compares the two on its GPU at startup and keeps the single
-call if they differ.  Calls that are not a tree verify (no mask, a windowed or masked prefix,
-sinks, score mods, an LSE already asked for) go to the single kernel unchanged.
-
-The split pays two launches and a merge per layer, which small batches feel (slower than the
-single masked call at batch 1 and 8, faster at batch 64 in the same benchmark), so only
-verifies of at least SPLIT_MIN_REQUESTS requests are split (a batch size's graph records one or
-the other).
+A verify query sees its whole prefix, so only the [n, n] tree block of SGLang's mask is ever
+read (SGLang's own masked kernel skips the prefix part too).  Calls that are not a tree verify
+the kernel computes exactly as SGLang's (no mask, a windowed or masked prefix, sinks, score
+mods, an LSE asked for, a capped score, scaled or paged KV) go to SGLang's kernel unchanged.
+The worker compares the kernel with SGLang's and with a float32 reference on its GPU at
+startup and keeps SGLang's if they differ (`check_verify_attention`).
 """
 
 from __future__ import annotations
@@ -29,51 +17,22 @@ from typing import Callable
 
 import torch
 
-# The smallest verify batch that is split: between batch 8 (the split slower) and 64 (faster);
-# the sizes in between were not measured, so the cut is an interpolation.
-SPLIT_MIN_REQUESTS = 32
-
-# Keyword values under which the split is exact (anything else: the single call).
+# Keyword values of a tree verify whose prefix every query sees (anything else: SGLang's call).
 _SPLIT_REQUIRES = {"lse_extend": None, "skip_prefix": False, "skip_extend": False,
                    "skip_prefix_custom_mask": True, "sinks": None, "score_mod": None,
                    "window_kv_offsets": None}
 
 
 def splittable(args: dict) -> bool:
-    """Whether a bound extend_attention_fwd call is a tree verify the split computes exactly:
-    a custom mask whose prefix part is not applied (every query sees the whole prefix)."""
+    """Whether a bound extend_attention_fwd call is a tree verify whose prefix and tree parts
+    can be computed apart: a custom mask whose prefix part is not applied (every query sees the
+    whole prefix)."""
     if args.get("custom_mask") is None:
         return False
     if any(args.get(name, value) is not value for name, value in _SPLIT_REQUIRES.items()):
         return False
     window = args.get("sliding_window_size", -1)
     return window is None or window < 0
-
-
-def split_attention(single: Callable, merge: Callable, signature: inspect.Signature,
-                    min_requests: int = SPLIT_MIN_REQUESTS) -> Callable:
-    """An extend_attention_fwd with `single`'s signature that splits tree verifies of at least
-    `min_requests` requests (read from qo_indptr's shape: no device read)."""
-
-    def attend(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
-        if not splittable(call) or call["qo_indptr"].shape[0] - 1 < min_requests:
-            return single(*args, **kwargs)
-        out = call["o_extend"]
-        tokens, heads, width = out.shape
-        prefix_out = torch.empty(tokens, heads, width, device=out.device, dtype=torch.float32)
-        prefix_lse = torch.empty(tokens, heads, device=out.device, dtype=torch.float32)
-        tree_out, tree_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
-        single(**{**call, "o_extend": prefix_out, "lse_extend": prefix_lse, "skip_extend": True,
-                  "custom_mask": None, "mask_indptr": None})
-        single(**{**call, "o_extend": tree_out, "lse_extend": tree_lse, "skip_prefix": True})
-        merge(prefix_out, prefix_lse, tree_out, tree_lse, output=out)
-        return out
-
-    attend.__wrapped__ = single
-    return attend
 
 
 def kernel_computes(args: dict) -> bool:
@@ -116,8 +75,9 @@ def kernel_attention(single: Callable, merge: Callable, signature: inspect.Signa
     return attend
 
 
-# SGLANG_DDTREE_VERIFY_ATTENTION value -> the wrapper of SGLang's extend kernel it installs
-VARIANTS = {"split": split_attention, "kernel": kernel_attention}
+# The verify attention variant -> the wrapper of SGLang's extend kernel it installs ("single",
+# SGLang's own call, installs nothing).
+VARIANTS = {"kernel": kernel_attention}
 
 
 def random_tree_ancestors(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -178,7 +138,7 @@ def reference_attention(args: dict, rows: torch.Tensor, bs: int, prefix: int) ->
 
 
 def check_verify_attention(single: Callable, merge: Callable, signature: inspect.Signature,
-                           device, dtype=torch.bfloat16, make: Callable = split_attention
+                           device, dtype=torch.bfloat16, make: Callable = kernel_attention
                            ) -> str | None:
     """Why `make(single, merge, signature)` (a VARIANTS wrapper) cannot replace the single call
     on this device (None if it can): on a random tree verify both must agree with each other

@@ -29,8 +29,7 @@ from ddtree_sglang.sglang_plugin.model_io import DFlashModelIO, draft_logits
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState
 from ddtree_sglang.sglang_plugin.server_args import settings_from_args
 from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages
-from ddtree_sglang.sglang_plugin.verify_attention import (SPLIT_MIN_REQUESTS, VARIANTS,
-                                                          check_verify_attention)
+from ddtree_sglang.sglang_plugin.verify_attention import VARIANTS, check_verify_attention
 from ddtree_sglang.sglang_plugin.decode_step import DecodeStep
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         self.ddtree_stages = GraphedStages(
             self.ddtree_kernels, s.budget, s.depth, s.block_size,
             functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
-            tuple(s.budgets), s.cuda_graph_tree)
+            tuple(s.budgets))
         self.ddtree_step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ, and SGLang's eager path casts them to bfloat16.
@@ -109,26 +108,19 @@ class DDTreeWorker(sg.DFlashWorkerV2):
     def init_attention_backends(self):
         """After SGLang made the target's attention backend (it runs first) and before any
         graph is captured: install the tree-verify attention the kernel choice kept.  It
-        replaces the triton backend's extend kernel only: the default applies there alone,
-        and a variant named for another backend is dropped, with why."""
+        replaces the triton backend's extend kernel only; FlashInfer verifies with its own."""
         super().init_attention_backends()
         variant = self.ddtree_kernels.verify_attention
         backend = self.target_worker.model_runner.attn_backend
         if variant != "single" and not sg.is_triton_attention(backend):
-            dropped = self.ddtree_kernels.dropped
-            if self.ddtree_settings.verify_attention_named:
-                dropped += ((f"{variant} verify attention", f"the target's attention backend "
-                             f"is {type(backend).__name__}, not triton"),)
-            self.ddtree_kernels = replace(self.ddtree_kernels, verify_attention="single", dropped=dropped)
+            self.ddtree_kernels = replace(self.ddtree_kernels, verify_attention="single")
             return
         if variant == "single":
             return
         patches.wrap_verify_attention(backend, VARIANTS[variant])
         if self.ps.tp_rank == 0:
-            logger.info("DDTREE verify attention: %s", "split from %d requests a verify "
-                        "(mask-free prefix + masked tree, merged by log-sum-exp)"
-                        % SPLIT_MIN_REQUESTS if variant == "split" else "kernel (split-KV "
-                        "prefix + masked tree in one online softmax, kernels/tree_attention.py)")
+            logger.info("DDTREE verify attention: kernel (split-KV prefix + masked tree in one "
+                        "online softmax, kernels/tree_attention.py)")
 
     def init_cuda_graphs(self):
         """SGLang's graphs, then the tree stages' (if the batch sizes were unknown before),
@@ -155,7 +147,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         return build_serving_budget(self.target_worker.model_runner, list(s.budgets), s.depth,
                                      self.device, None if variant == "single" else install,
                                      log=self.ps.tp_rank == 0, explore_every=s.explore_every,
-                                     min_gain=s.min_gain, grammar_lane=s.grammar_budget == "own")
+                                     min_gain=s.min_gain)
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree and acceptance stages for every decode CUDA-graph batch size
