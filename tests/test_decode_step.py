@@ -1,7 +1,6 @@
 """The DDTREE decode step (sglang_plugin/decode_step.py) on the CPU, built from its parts with
 SGLang fakes: each stage's logic against a reference, the grammar traversal over DDTREE's
 tree, and the committed tokens' logprobs."""
-import contextlib
 import functools
 from types import SimpleNamespace
 
@@ -36,13 +35,16 @@ class FakeIO:
                                              decode_cuda_graph_runner="configured graphs")
         self.calls: list = []
         self.verify_out = None
+        self.hidden = None  # the drafter states draft_block returns (random where None)
 
     def max_step_seq_len(self) -> int:
         return ROW - (B + 1)
 
     def draft_block(self, batch, draft_input):
         self.calls.append(("draft", draft_input))
-        return torch.randn(len(batch.seq_lens), BLOCK, H)
+        hidden = self.hidden if self.hidden is not None else torch.randn(
+            len(batch.seq_lens), BLOCK, H)
+        return hidden, False  # the pass ran eagerly: the step runs the tree stage itself
 
     def target_verify(self, batch, draft_input, layout, mask_positions=None):
         self.calls.append(("verify", (self.target_runner.attn_backend,
@@ -68,7 +70,8 @@ def make_step(budget: int = B, serving_budget=None, clock=None,
     """A DecodeStep from its parts: settings, vocabulary, fake I/O, eager tree stages."""
     settings = DDTreeSettings.from_values(budget, BLOCK, environ=env or {})
     stages = GraphedStages(Kernels(), budget, BLOCK - 1, BLOCK,
-                        functools.partial(draft_logits, LM_HEAD, vocab_size=V), graphed=False)
+                           functools.partial(draft_logits, LM_HEAD, vocab_size=V),
+                           settings.budgets, max_bs=6, hidden_size=H, graphed=False)
     return wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
                            MaskCosts(), serving_budget, clock)
 
@@ -89,9 +92,15 @@ def make_batch(bs: int = 2, seq_lens=(5, 9), **fields) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **fields})
 
 
+def tree_from(w, batch, plan: StepPlan, hidden: torch.Tensor, barrier=None) -> DraftedTree:
+    """The draft-and-tree stage over drafter states `hidden` (the fake I/O returns them)."""
+    w.io.hidden = hidden
+    return w.draft_tree(batch, plan, barrier)
+
+
 def drafted(w, batch, plan: StepPlan) -> DraftedTree:
     hidden = torch.randn(plan.bs, BLOCK, H, generator=torch.Generator().manual_seed(1))
-    return w.build_tree(batch, plan, hidden)
+    return tree_from(w, batch, plan, hidden)
 
 
 def plan_of(batch, budget: int = B) -> StepPlan:
@@ -115,26 +124,26 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
         w.begin_step(stale)
 
 
-def test_build_tree_is_the_core_tree_stage_cut_to_the_plan(monkeypatch):
-    w = make_step()
+def test_the_tree_stage_is_the_core_tree_stage_at_the_plan_s_width(monkeypatch):
+    w = make_step(env={"SGLANG_DDTREE_BUDGETS": "5"})  # candidates 5 and B = 8
     batch = make_batch()
     hidden = torch.randn(2, BLOCK, H)
-    tree = w.build_tree(batch, plan_of(batch, 5), hidden)
+    tree = tree_from(w, batch, plan_of(batch, 5), hidden)
     logits = hidden[:, 1:] @ LM_HEAD.weight.T
-    full, positions, _ = unpack_tree_stage(tree_stage(
-        logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3, build_draft_tree), (B + 1,))
+    full = unpack_tree_stage(tree_stage(
+        logits, batch.spec_info.bonus_tokens, batch.seq_lens, B, 3, build_draft_tree), B)
     assert tree.layout.tree_parents.shape == (2, 6) and tree.grammar_tree is None
-    assert tree.mask_positions is None  # width 6 is no stage width of a pinned B = 8
-    assert torch.equal(w.build_tree(batch, plan_of(batch), hidden).mask_positions,
-                       positions[B + 1])
+    assert torch.equal(tree_from(w, batch, plan_of(batch), hidden).mask_positions,
+                       full.mask_positions[B + 1])
     assert torch.equal(tree.layout.draft_tokens.view(2, 6),
-                       full.draft_tokens.view(2, B + 1)[:, :6])
-    assert tree.depth_probs is None  # a pinned budget gathers no statistics
+                       full.layouts[B + 1].draft_tokens.view(2, B + 1)[:, :6])
+    assert tree.depth_probs.shape == (2, 2, 3)  # the candidates' statistics
+    assert make_step().draft_tree(batch, plan_of(batch)).depth_probs is None  # pinned: none
     started = []
     monkeypatch.setattr(sg, "GrammarTree", SimpleNamespace(
         from_device=lambda **kw: started.append(kw) or "tree copy"))
     batch.has_grammar = True
-    assert w.build_tree(batch, plan_of(batch, 5), hidden).grammar_tree == "tree copy"
+    assert tree_from(w, batch, plan_of(batch, 5), hidden).grammar_tree == "tree copy"
     assert started[0]["draft_token"].shape == (2, 6)
     assert torch.equal(started[0]["retrieve_next_token"], tree.layout.retrieve_next_token)
 
@@ -149,12 +158,12 @@ def test_a_forced_spine_roots_the_trees_of_constrained_batches(monkeypatch):
     monkeypatch.setattr(sg, "GrammarTree", SimpleNamespace(from_device=lambda **kw: None))
     monkeypatch.setattr(wmod, "grammar_spines", lambda reqs, depth, device: order.append(
         "spines") or torch.tensor([[5, 6, -1], [-1, -1, -1]]))
-    tree = w.build_tree(batch, plan_of(batch), hidden, lambda: order.append("barrier"))
+    tree = tree_from(w, batch, plan_of(batch), hidden, lambda: order.append("barrier"))
     assert order == ["barrier", "spines"]
     lay = tree.layout
     assert lay.draft_tokens.view(2, B + 1)[0, 1:3].tolist() == [5, 6]  # root -> 5 -> 6
     assert lay.tree_parents[0, 1:3].tolist() == [0, 1]
-    plain = make_step().build_tree(batch, plan_of(batch), hidden)  # not forced: the drafter's
+    plain = tree_from(make_step(), batch, plan_of(batch), hidden)  # not forced: the drafter's
     assert torch.equal(lay.draft_tokens.view(2, B + 1)[1], plain.layout.draft_tokens.view(
         2, B + 1)[1])
 
@@ -163,9 +172,33 @@ def test_the_draft_starts_from_the_plan_s_relay_state():
     w = make_step()
     batch = make_batch()
     plan = w.begin_step(batch)
+    roots = plan.draft_input.bonus_tokens.clone()
     batch.spec_info = "replaced by a later stage"
-    assert w.draft(batch, plan).shape == (2, BLOCK, H)
+    tree = w.draft_tree(batch, plan)
     assert w.io.calls == [("draft", plan.draft_input)]
+    assert torch.equal(tree.layout.draft_tokens.view(2, B + 1)[:, 0], roots)  # the roots
+
+
+def test_a_tree_from_the_draft_graph_s_tail_is_the_eager_tree():
+    """The draft CUDA graph's tail hook (TreeStage.tail_hook, run inside SGLang's capture)
+    leaves the same trees in the stage's buffers as the eager path, reading the roots from the
+    block's first token and the lengths from the draft batch; the step then reads them as they
+    are."""
+    w = make_step(env={"SGLANG_DDTREE_BUDGETS": "5"})
+    batch = make_batch()
+    plan = plan_of(batch)
+    hidden = torch.randn(2, BLOCK, H)
+    eager = tree_from(w, batch, plan, hidden)
+    eager = {k: v.clone() for k, v in vars(eager.layout).items()}
+    w.stages.tree.out.write([torch.zeros_like(b) for b in w.stages.tree.out.buffers], 6)
+    block_ids = torch.tensor([[3, 1, 1, 1], [7, 1, 1, 1]])  # [bonus, MASK...]
+    draft_batch = SimpleNamespace(input_ids=block_ids.reshape(-1), seq_lens=batch.seq_lens)
+    w.stages.tree.tail_hook(None, SimpleNamespace(hidden_states=hidden.view(-1, H)),
+                            draft_batch, 2 * BLOCK)
+    w.io.draft_block = lambda batch, draft_input: (None, True)  # the graph ran, with its tail
+    tail = w.draft_tree(batch, plan)
+    for name, value in eager.items():
+        assert torch.equal(getattr(tail.layout, name), value), name
 
 
 def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
@@ -303,6 +336,7 @@ def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
     verified = Verified(out, logits, "fb", True, None, out_cache_loc=verify_slots)
     acc = w.sample_and_accept(batch, plan, tree, verified)
     published = []
+    w.io.calls.clear()
     result = w.commit(batch, plan, tree, verified, acc, published.append)
     step = acc.commit
     assert w.io.calls == [("move", acc.slots.kv_target), ("features", acc.slots.draft_slots)]
@@ -342,19 +376,38 @@ def test_grammar_masked_tokens_get_the_lowest_finite_logprob():
     assert torch.isfinite(row_lp).all()
 
 
-def test_a_decode_step_runs_its_stages_in_order(monkeypatch):
+def test_a_whole_step_commits_what_the_reference_walk_commits():
+    """A decode step from the relay state to SGLang's result, on the fake I/O: the target's
+    argmax at every node of the tree the drafter's states give, walked as the core walks it,
+    the KV moves and draft-KV slots of that walk, the budget (pinned B) reported per request,
+    and the next step's relay state; the verify ran inside the plan's width runtime."""
     w = make_step()
-    order = []
-    for name in ("draft", "build_tree", "verify", "sample_and_accept", "commit", "end_step"):
-        monkeypatch.setattr(w, name, lambda *a, name=name: order.append(name) or name)
-    monkeypatch.setattr(w, "begin_step", lambda b: order.append("begin_step") or StepPlan(2, 5))
+    batch = make_batch()
+    hidden = torch.randn(2, BLOCK, H, generator=torch.Generator().manual_seed(4))
+    w.io.hidden = hidden
+    logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(5))
+    feats = torch.randn(2 * (B + 1), H)
+    w.io.verify_out = SimpleNamespace(next_token_logits=logits.clone(), hidden_states=feats,
+                                      customized_info=None)
     runtimes = []
-    monkeypatch.setattr(w, "verify_runtime", lambda width: runtimes.append(width)
-                        or contextlib.nullcontext())
-    assert w.run(make_batch()) == "commit"
-    assert order == ["begin_step", "draft", "build_tree", "verify", "sample_and_accept",
-                     "commit", "end_step"]
-    assert runtimes == [6]  # the verify ran inside the plan's width runtime
+    verify_runtime = w.verify_runtime
+    w.verify_runtime = lambda width: runtimes.append(width) or verify_runtime(width)
+    seq = batch.seq_lens.clone()
+    result = w.run(batch)
+    tree = unpack_tree_stage(tree_stage(hidden[:, 1:] @ LM_HEAD.weight.T,
+                                        torch.tensor([3, 7]), seq, B, 3, build_draft_tree), B)
+    lay = tree.layouts[B + 1]
+    ref = StepCommit(*accept_stage(lay.draft_tokens.view(2, B + 1), lay.tree_parents,
+                                   lay.tree_depths, logits.argmax(-1).view(2, B + 1), 3, BLOCK))
+    assert torch.equal(result.next_token_ids, ref.tokens.reshape(-1))
+    assert torch.equal(result.accept_lens, ref.commit_lens)
+    assert torch.equal(result.new_seq_lens, seq + ref.commit_lens)
+    assert torch.equal(result.next_draft_input.bonus_tokens, ref.bonus)
+    assert runtimes == [B + 1]
+    moved = next(c[1] for c in w.io.calls if c[0] == "move")
+    slots = 100 + torch.arange(2 * (B + 1))  # the fake verify's KV slots
+    assert torch.equal(moved, slots.view(2, B + 1)[:, :BLOCK])  # each path's committed slots
+    assert [c[0] for c in w.io.calls] == ["draft", "verify", "move", "features"]
 
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():

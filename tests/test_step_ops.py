@@ -9,10 +9,11 @@ from ddtree_sglang.tree.builder import build_draft_tree
 def test_tree_stage_is_build_plus_layout():
     logits = torch.randn(3, 15, 50)
     roots, seq = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 0])
-    lay, positions, probs = unpack_tree_stage(tree_stage(logits, roots, seq, 20, 15,
-                                                         build_draft_tree), (21,))
+    out = unpack_tree_stage(tree_stage(logits, roots, seq, 20, 15, build_draft_tree), 20)
+    lay, positions = out.layouts[21], out.mask_positions
     ref = build_verify_layout(build_draft_tree(logits, 20), roots, seq, max_depth=15)
-    assert probs is None and list(positions) == [21]
+    assert out.depth_probs is None and list(positions) == [21] and list(out.layouts) == [21]
+    assert torch.equal(out.seq_lens, seq)
     assert torch.equal(full_mask(lay.ancestors, seq, 13, positions[21]),
                        full_mask(ref.ancestors, seq, 13))
     assert torch.equal(lay.draft_tokens, ref.draft_tokens)
@@ -110,19 +111,28 @@ def test_tree_stage_reports_the_candidates_expected_acceptance_and_mask_position
     roots, seq = torch.tensor([1, 2]), torch.tensor([4, 9])
     widths = stage_widths(12, (3, 12))
     assert widths == (4, 13)
-    lay, positions, probs = unpack_tree_stage(
-        tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)), widths)
+    out = unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree, (3, 12)),
+                            12, (3, 12))
     tree = build_draft_tree(logits, 12)
-    assert torch.equal(lay.draft_tokens, build_verify_layout(tree, roots, seq, 5).draft_tokens)
-    assert probs.shape == (2, 2, 5)
-    assert torch.allclose(probs, expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
-    for w in widths:
-        cut = truncate_layout(lay, w)
-        assert torch.equal(full_mask(cut.ancestors, seq, 20, positions[w]),
+    full = build_verify_layout(tree, roots, seq, 5)
+    assert torch.equal(out.layouts[13].draft_tokens, full.draft_tokens)
+    assert out.depth_probs.shape == (2, 2, 5)
+    assert torch.allclose(out.depth_probs,
+                          expected_by_depth_per_request(tree.scores, tree.depths, [3, 12], 5))
+    for w in widths:  # each width's layout is the tree cut to it, and its mask positions
+        cut = truncate_layout(full, w)
+        for name in ("draft_tokens", "positions", "ancestors", "retrieve_index",
+                     "retrieve_next_token", "retrieve_next_sibling", "tree_parents",
+                     "tree_depths"):
+            assert torch.equal(getattr(out.layouts[w], name), getattr(cut, name)), (w, name)
+        assert torch.equal(full_mask(cut.ancestors, seq, 20, out.mask_positions[w]),
                            full_mask(cut.ancestors, seq, 20))
     assert unpack_tree_stage(tree_stage(logits, roots, seq, 12, 5, build_draft_tree),
-                             (13,))[2] is None
+                             12).depth_probs is None
     assert stage_widths(200, (63, 200)) == (64,)  # wide verifies place their mask on the host
+    wide = unpack_tree_stage(tree_stage(logits, roots, seq, 200, 5, build_draft_tree, (63, 200)),
+                             200, (63, 200))
+    assert list(wide.layouts) == [64, 201] and list(wide.mask_positions) == [64]
 
 
 def test_commit_slots_of_wide_and_narrow_verifies():

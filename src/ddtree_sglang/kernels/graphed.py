@@ -79,19 +79,32 @@ class GraphedFunction:
 
     def _capture(self, inputs: tuple) -> tuple:
         static_in = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels and allocator outside the capture
-                self.fn(*static_in)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # Thread-local capture: other serving threads' CUDA calls are unaffected.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            static_out = self.fn(*static_in)
-        return graph, static_in, static_out
+        static_out: list = []
+        graph = capture_graph(lambda: static_out.append(self.fn(*static_in)), self._pool,
+                              keep=lambda: static_out.clear())
+        return graph, static_in, static_out[-1]
+
+
+def capture_graph(fn: Callable[[], object], pool, keep: Callable[[], None] | None = None
+                  ) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `fn()` (fixed shapes, no host synchronisation) in memory pool `pool`:
+    two warm-up calls on a side stream (kernels compiled, allocator settled) and the capture,
+    thread-local so that other serving threads' CUDA calls are unaffected; `keep()` runs
+    before the capture (to drop the warm-up calls' results)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    if keep is not None:
+        keep()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        fn()
+    return graph
 
 
 def _key(inputs: tuple, bs: int) -> tuple:

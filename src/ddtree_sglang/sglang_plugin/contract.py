@@ -137,6 +137,10 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
+    # SGLang's profiler spans and asynchronous NaN / Inf checks (decode_step.py)
+    "sglang.srt.speculative.spec_utils.spec_stage_span": ("name",),
+    "sglang.srt.utils.async_probe.maybe_detect_nan": ("tensor", "msg"),
+    "sglang.srt.utils.async_probe.maybe_detect_inf": ("tensor", "msg"),
     "sglang.srt.speculative.spec_utils.traverse_tree":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens", "grammar",
          "allocate_token_bitmask", "vocab_size"),
@@ -183,6 +187,20 @@ COPIED: dict[str, tuple[str, str]] = {
          "draft) and sglang_plugin/worker.py DDTreeWorker._prefill (its prefill)"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode":
         ("b88aafc416effc8f", "sglang_plugin/draft_input.py DDTreeDraftInput.prepare_for_decode"),
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state":
+        ("d82f3392d157fbcb", "sglang_plugin/patches.py build_verify_runtime (its target half: "
+         "the attention backend on a fresh workspace and the verify graph runner per width)"),
+}
+
+# SGLang behaviours the plugin relies on that no signature shows: each path's source must still
+# contain the line quoted, which is the behaviour (a rewrite stops the server naming it).
+SOURCE_LINES: dict[str, tuple[str, str]] = {
+    # the draft graphs end in the tree stage (graphed_stages.TreeStage.tail_hook): SGLang calls
+    # each capture tail hook of the runner's model runner inside every decode graph's capture
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+    ".capture_one_shape":
+        ("capture_hook(self, out, forward_batch, num_tokens)",
+         "capture tail hooks run inside each decode graph's capture"),
 }
 
 # Attributes the plugin reads on instances of these classes (their own or inherited).
@@ -232,7 +250,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.model_runner.ModelRunner":
         ("req_to_token_pool", "token_to_kv_pool_allocator", "attn_backend",
          "decode_cuda_graph_runner", "model_config", "model", "init_new_workspace",
-         "spec_algorithm", "is_draft_worker", "server_args"),
+         "spec_algorithm", "is_draft_worker", "server_args", "capture_tail_hooks"),
+    # the draft forward's output says whether its CUDA graph (and so the tree stage) ran
+    "sglang.srt.model_executor.model_runner.ModelRunnerOutput": ("logits_output", "can_run_graph"),
     "sglang.srt.layers.logits_processor.LogitsProcessorOutput":
         ("next_token_logits", "hidden_states", "customized_info", "next_token_logprobs",
          "next_token_top_logprobs_val", "next_token_top_logprobs_idx",
@@ -268,7 +288,8 @@ def contract_violations() -> list[str]:
     """Human-readable list of contract entries the installed SGLang does not satisfy."""
     problems: list[str] = []
     for table, check in ((CONTRACT, _parameter_problem), (OVERRIDES, _override_problem),
-                         (COPIED, _copy_problem), (ATTRIBUTES, _attribute_problem)):
+                         (COPIED, _copy_problem), (ATTRIBUTES, _attribute_problem),
+                         (SOURCE_LINES, _source_problem)):
         for path, expected in table.items():
             try:
                 obj = resolve(path)
@@ -306,6 +327,15 @@ def _copy_problem(obj, copied: tuple[str, str]) -> str | None:
         return f"missing ({exc})"
     return (f"changed since DDTREE copied it (source sha256 {now}, copied from {digest}); "
             f"review the copy in {copy}") if now != digest else None
+
+
+def _source_problem(obj, line: tuple[str, str]) -> str | None:
+    text, why = line
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError) as exc:
+        return f"missing ({exc})"
+    return None if text in source else f"no longer contains `{text}` ({why})"
 
 
 def _attribute_problem(cls, names: tuple[str, ...]) -> str | None:

@@ -1,30 +1,33 @@
 """The DDTREE decode step: DFLASH's block draft turned into a tree, verified in one target pass.
 
 `DecodeStep.run` begins (the batch's one change, the budget for this batch, the step clock),
-runs five stages over the records of step_records.py, the verify inside its width's runtime
-(`verify_runtime`), and ends (the budget controller's observation, the clock):
+runs four stages over the records of step_records.py, the verify inside its width's runtime
+(`verify_runtime`), and ends (the budget's observation, the clock):
 
-  draft             the block [bonus, MASK x (bs-1)] through the drafter once;
-  build tree        the drafter's full distributions (through the target's lm_head) -> the
-                    B-best tree, its verify layout and mask (ddtree_sglang core), cut to the
-                    budget chosen for this batch (serving_budget.py; B when pinned);
+  draft and tree    the block [bonus, MASK x (bs-1)] through the drafter once; its CUDA graph
+                    ends in the tree stage (graphed_stages.TreeStage): the drafter's full
+                    distributions (through the target's lm_head) -> the B-best tree and its
+                    verify layout at every candidate width, in fixed-address buffers; the step
+                    takes the width of the budget chosen for this batch (serving_budget.py;
+                    B when pinned);
   verify            root + B nodes in one TARGET_VERIFY pass through SGLang's EAGLE tree-mask
                     input (CUDA graphs captured with the mask, see plugin.py); while it runs,
                     the host builds the grammar's node masks (structured output,
                     grammar_stage.py);
   sample and accept each node's logits get the request's grammar mask and penalties as plain
-                    decoding would apply them there; the target samples once per node (argmax
-                    when greedy), greedy constrained requests may walk their grammar along the
-                    accepted path instead of masking every node, and the tree is walked along
-                    the choices (core);
+                    decoding would apply them there; the target's choice at every node
+                    (argmax when greedy) goes straight into the accept stage's input buffer;
+                    greedy constrained requests may walk their grammar along the accepted path
+                    instead of masking every node; the accept stage's graph walks the tree and
+                    computes everything the commit needs, into a two-slot ring;
   commit            the accepted nodes' target KV moves to the committed positions, their
                     hidden states enter the draft KV, and the committed tokens' logprobs are
                     read off the same node logits when asked.
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
-target's top-K per node (greedy) or each depth's draws (sampled).  The step
-reaches the models and DFLASH's buffers only through `io`
-(model_io.py); worker.py builds it and captures its graphs.
+target's top-K per node (greedy) or each depth's draws (sampled).  Each stage runs inside
+SGLang's profiler span of its name, so a trace names it.  The step reaches the models and
+DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captures its graphs.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.tree.stages import (StepCommit, penalise_nodes, truncate_layout,
-                                   unpack_commit_stage, unpack_tree_stage)
+from ddtree_sglang.tree.stages import StepCommit, penalise_nodes
 from ddtree_sglang.sampling.logprobs import committed_log_probs
 from ddtree_sglang.sampling.sample import sample_rows
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
@@ -76,10 +78,12 @@ def sample_for_requests(logits: torch.Tensor, sampling_info, req_index: torch.Te
 
 def sample_per_node(logits: torch.Tensor, sampling_info, n: int,
                     seeds: torch.Tensor | None = None,
-                    positions: torch.Tensor | None = None) -> torch.Tensor:
-    """[bs * n] the target's choice at every node of [bs * n, V] logits."""
+                    positions: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """[bs * n] the target's choice at every node of [bs * n, V] logits (greedy: written into
+    `out` where given, the accept stage's input buffer)."""
     if sampling_info is None or sampling_info.is_all_greedy:  # no per-row settings to gather
-        return logits.argmax(dim=-1)
+        return torch.argmax(logits, dim=-1, out=out)
     req_index = torch.arange(logits.shape[0] // n, device=logits.device).repeat_interleave(n)
     return sample_for_requests(logits, sampling_info, req_index, seeds, positions)
 
@@ -100,18 +104,19 @@ class DecodeStep:
         self.depth, self.out_width = settings.depth, settings.block_size
 
     def run(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
-        """The decode step: its five stages in order, each taking the records before it."""
+        """The decode step: its four stages in order, each taking the records before it."""
         plan = self.begin_step(batch)
-        hidden = self.draft(batch, plan)
-        self.clock.mark("draft")
-        tree = self.build_tree(batch, plan, hidden, grammar_barrier)
-        self.clock.mark("tree")
-        with self.verify_runtime(plan.width):
+        with sg.stage_span("ddtree_draft_tree"):
+            tree = self.draft_tree(batch, plan, grammar_barrier)
+        self.clock.mark("draft + tree")
+        with self.verify_runtime(plan.width), sg.stage_span("ddtree_verify"):
             verified = self.verify(batch, plan, tree, grammar_barrier)
         self.clock.mark("verify")
-        accepted = self.sample_and_accept(batch, plan, tree, verified)
+        with sg.stage_span("ddtree_sample_accept"):
+            accepted = self.sample_and_accept(batch, plan, tree, verified)
         self.clock.mark("sample + accept")
-        result = self.commit(batch, plan, tree, verified, accepted, on_publish)
+        with sg.stage_span("ddtree_commit"):
+            result = self.commit(batch, plan, tree, verified, accepted, on_publish)
         self.clock.mark("commit")
         self.end_step(plan, tree, verified, accepted)
         return result
@@ -166,35 +171,31 @@ class DecodeStep:
         finally:
             patches.set_verify_runtime(runner, configured)
 
-    def draft(self, batch, plan: StepPlan) -> torch.Tensor:
-        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]."""
-        return self.io.draft_block(batch, plan.draft_input)
-
-    def build_tree(self, batch, plan: StepPlan, hidden: torch.Tensor,
-                   grammar_barrier=None) -> DraftedTree:
-        """Drafter states -> the trees cut to the plan's budget (under
-        SGLANG_DDTREE_GRAMMAR_FORCE=spine, constrained requests' trees rooted in what their
-        grammar forces, once the grammars hold the previous step's tokens: `grammar_barrier`);
-        with a grammar in the
-        batch, the host copy of the tree that the bitmask needs starts here, before the
-        verify."""
+    def draft_tree(self, batch, plan: StepPlan, grammar_barrier=None) -> DraftedTree:
+        """One drafter pass over [bonus, MASK...] for every request, whose CUDA graph ends in
+        the tree stage; the tree stage runs here instead where the pass ran eagerly, and where
+        constrained requests' trees are rooted in what their grammar forces
+        (SGLANG_DDTREE_GRAMMAR_FORCE=spine, once the grammars hold the previous step's tokens:
+        `grammar_barrier`).  The trees cut to the plan's width; with a grammar in the batch,
+        the host copy of the tree that the bitmask needs starts here, before the verify."""
         spine = batch.has_grammar and self.settings.grammar_force == "spine"
         if spine and grammar_barrier is not None:
             grammar_barrier()  # the grammars hold the previous step's tokens
-        inputs = (hidden[:, 1:, :], plan.draft_input.bonus_tokens.long(), batch.seq_lens.long())
-        if spine:
-            inputs += (grammar_spines(batch.reqs, self.depth, hidden.device),)
-        layout, positions, depth_probs = unpack_tree_stage(self.stages.tree(*inputs),
-                                                           self.stages.widths)
-        layout = truncate_layout(layout, plan.width)
+        hidden, tree_ready = self.io.draft_block(batch, plan.draft_input)
+        stage = self.stages.tree
+        if spine or not tree_ready:
+            forced = grammar_spines(batch.reqs, self.depth, hidden.device) if spine else None
+            stage.run(hidden[:, 1:, :], plan.draft_input.bonus_tokens, batch.seq_lens, forced)
+        out = stage.read(plan.bs)
+        layout = out.layouts[plan.width]
         grammar_tree = None
         if batch.has_grammar:
             grammar_tree = sg.GrammarTree.from_device(
                 retrieve_next_token=layout.retrieve_next_token,
                 retrieve_next_sibling=layout.retrieve_next_sibling,
                 draft_token=layout.draft_tokens.view(plan.bs, plan.width))
-        return DraftedTree(layout=layout, depth_probs=depth_probs, grammar_tree=grammar_tree,
-                           mask_positions=positions.get(plan.width))
+        return DraftedTree(layout=layout, depth_probs=out.depth_probs, grammar_tree=grammar_tree,
+                           mask_positions=out.mask_positions.get(plan.width))
 
     def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
         """The target's pass over every tree node (through the runtime the pipeline set, see
@@ -202,6 +203,7 @@ class DecodeStep:
         pass runs."""
         logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
             batch, plan.draft_input, tree.layout, tree.mask_positions)
+        sg.detect_nan(logits_output.next_token_logits, "DDTREE verify logits")
         grammar = None
         if tree.grammar_tree is not None:
             grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
@@ -230,8 +232,9 @@ class DecodeStep:
         sg.apply_dflash_verify_logits_adjustments(
             next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
         seeds = request_seeds(batch.reqs, logits.device)
-        choice = sample_per_node(logits, batch.sampling_info, n, seeds,
-                                 lay.positions).view(bs, n)
+        choice_in, slots_in = self.stages.accept.inputs(bs, n)
+        choice = sample_per_node(logits, batch.sampling_info, n, seeds, lay.positions,
+                                 out=choice_in.view(-1)).view(bs, n)
         choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size,
                                     self.mask_costs)
 
@@ -243,10 +246,11 @@ class DecodeStep:
 
         choice = sampled_grammar_choices(grammar, logits, choice, n, self.vocab_size, sample,
                                          self.mask_costs)
-        commit, slots = unpack_commit_stage(self.stages.accept(
-            lay.draft_tokens.view(bs, n), lay.tree_parents, lay.tree_depths, choice,
-            verified.out_cache_loc.view(bs, n), batch.seq_lens))
-        return Accepted(choice=choice, commit=commit, slots=slots, penalties=penalties,
+        if choice.data_ptr() != choice_in.data_ptr():  # sampled or walked: a tensor of its own
+            choice_in.copy_(choice)
+        slots_in.copy_(verified.out_cache_loc)
+        commit, slots = self.stages.accept.run(bs, n)
+        return Accepted(choice=choice_in, commit=commit, slots=slots, penalties=penalties,
                         logits=logits)
 
     def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
@@ -271,7 +275,7 @@ class DecodeStep:
             next_draft_input=self.io.next_draft_input(step.bonus, new_seq_lens),
             speculative_num_draft_tokens=self.out_width,
             new_seq_lens=new_seq_lens,
-            extra_keep_alive_refs=[verified.forward_batch, tree.layout],
+            extra_keep_alive_refs=[verified.forward_batch],
         )
 
     def add_logprobs(self, batch, out, logits: torch.Tensor, step: StepCommit) -> None:

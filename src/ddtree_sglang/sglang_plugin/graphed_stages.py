@@ -1,55 +1,208 @@
-"""The decode step's two fixed-shape GPU stages, each a GraphedFunction: the tree stage
-(drafter states -> B-best tree -> verify layout) and the accept stage (target choices -> what
-the step commits).  worker.py captures them per decode batch size; the step calls them."""
+"""The decode step's two fixed-shape GPU stages, and the fixed-address buffers they leave their
+results in: the step reads views of them and copies nothing in or out of a graph.
+
+Tree stage (tree/stages.tree_stage): drafter states -> the B-best tree's verify layout at every
+candidate width, the mask positions, the candidates' expected acceptance and the lengths.  Where
+SGLang captures the drafter's CUDA graphs it runs inside them, after the drafter's last layer:
+`TreeStage.tail_hook` is a capture tail hook of the draft model runner (the mechanism DFLASH
+uses to fold its draft sampler into the same graph), writing into `TreeStage.out`.  A draft
+forward that ran eagerly, and a step whose trees a grammar's forced spine roots, run it through
+`TreeStage.run` into the same buffers.
+
+Accept stage (tree/stages.commit_stage): the target's choices -> StepCommit and CommitSlots.  A
+CUDA graph per (batch size, verify width, ring slot) reads the tree buffers, its own choice and
+verify-slot buffers (the step writes the choices there directly) and writes into a two-slot
+ring, so that step k's results stay valid while step k + 1 runs (overlap scheduling reads them
+after), as DFLASH's rotating accept buffers do.  Batch sizes without a graph run it eagerly.
+
+A graph of a larger batch size serves a smaller batch: its rows past the batch compute on stale
+but well-formed buffer contents (buffers start as a complete sample and only ever hold complete
+trees, token ids and KV slots) and are never read; nothing in either graph writes outside its
+own buffers.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Callable, Sequence
 
 import torch
 
-from ddtree_sglang.tree.stages import commit_stage, stage_widths, tree_stage
 from ddtree_sglang.grammar.forcing import force_draft_logits
-from ddtree_sglang.kernels.graphed import GraphedFunction
 from ddtree_sglang.kernels.choice import Kernels
+from ddtree_sglang.kernels.graphed import GraphedFunction, capture_graph
+from ddtree_sglang.tree.stages import (CommitSlots, StepCommit, TreeStageOutput, commit_stage,
+                                       tree_stage, unpack_commit_stage, unpack_tree_stage,
+                                       verify_widths)
+
+logger = logging.getLogger(__name__)
+SAMPLE_BS = 2  # the batch size the buffers' shapes are read from
 
 
-class GraphedStages:
-    """`tree(draft_hidden, roots, seq_lens[, forced])` and `accept(tokens, parents, depths, choice,
-    out_cache_loc, seq_lens)` (the walk and the commit's slots: step_ops.commit_stage).
+class StaticOutputs:
+    """Fixed-address tensors for the outputs of a fixed-shape function whose leading dimension
+    is the batch, or the batch times a fixed number of rows per request, for up to `max_bs`
+    requests; `sample`: the function's outputs at SAMPLE_BS requests.  Every request's rows
+    start as the sample's first request's, so the buffers hold well-formed outputs (complete
+    trees) before any write: a padded graph replay may read rows no step wrote."""
 
-    draft_logits: [bs, L, H] drafter states -> [bs, L, V] logits (the target's lm_head);
-    budgets: the batch-aware budget's candidate widths (the tree stage also computes their
-    expected acceptance), or one budget when B is pinned; graphed: capture CUDA graphs."""
+    def __init__(self, sample: Sequence[torch.Tensor], max_bs: int) -> None:
+        self.max_bs = max_bs
+        self.rows = tuple(t.shape[0] // SAMPLE_BS for t in sample)
+        self.buffers = tuple(t[:r].repeat(max_bs, *([1] * (t.dim() - 1))).contiguous()
+                             for r, t in zip(self.rows, sample))
 
-    def __init__(self, kernels: Kernels, budget: int, depth: int, out_width: int,
-                 draft_logits: Callable[[torch.Tensor], torch.Tensor],
-                 budgets: tuple[int, ...] = (), graphed: bool = True) -> None:
-        self.kernels, self.budget, self.depth, self.out_width = kernels, budget, depth, out_width
+    def write(self, outputs: Sequence[torch.Tensor], bs: int) -> None:
+        """The outputs of a `bs`-request call into the buffers' first rows."""
+        if bs > self.max_bs:
+            raise ValueError(f"a batch of {bs} requests exceeds the {self.max_bs} the step's "
+                             "buffers hold")
+        for buf, r, t in zip(self.buffers, self.rows, outputs):
+            buf[: bs * r].copy_(t)
+
+    def read(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """Views of the first `bs` requests' rows (what the last write or replay left)."""
+        return tuple(buf[: bs * r] for buf, r in zip(self.buffers, self.rows))
+
+
+class TreeStage:
+    """drafter states [bs, depth, H] -> TreeStageOutput, in the draft graph's tail or through
+    `run`; results in `out`.  draft_logits: [bs, L, H] -> [bs, L, V] (the target's lm_head);
+    budgets: the batch-aware budget's candidates ending with B (one entry: B pinned)."""
+
+    def __init__(self, kernels: Kernels, budget: int, depth: int,
+                 draft_logits: Callable[[torch.Tensor], torch.Tensor], budgets: Sequence[int],
+                 max_bs: int, hidden_size: int, dtype: torch.dtype, device,
+                 graphed: bool = True) -> None:
+        self.kernels, self.budget, self.depth = kernels, budget, depth
         self.draft_logits = draft_logits
         self.candidates = tuple(budgets) if len(budgets) > 1 else ()
-        self.widths = stage_widths(budget, self.candidates)  # mask positions computed for these
-        self.tree = GraphedFunction(self._tree, "DDTREE tree stage", graphed)
-        self.accept = GraphedFunction(self._accept, "DDTREE accept stage", graphed)
+        self.widths = verify_widths(budget, self.candidates)
+        self.block = depth + 1
+        # The eager path's function, graphed per batch size (and per spine input) at startup.
+        self.graphed = GraphedFunction(self._tree, "DDTREE tree stage", graphed)
+        self.in_draft_graph = False  # set once the draft runner's graphs hold `tail_hook`
+        sample = self._tree(torch.zeros(SAMPLE_BS, depth, hidden_size, dtype=dtype,
+                                        device=device),
+                            torch.zeros(SAMPLE_BS, dtype=torch.long, device=device),
+                            torch.ones(SAMPLE_BS, dtype=torch.long, device=device))
+        self.out = StaticOutputs(sample, max_bs)
 
-    def _tree(self, draft_hidden, roots, seq_lens, forced=None) -> tuple:
-        """Drafter states -> B-best tree -> verify layout (fixed shapes; CUDA-graphed);
-        `forced` [bs, depth] (-1: none): the grammar's forced spine (grammar_forcing.py), a
-        graph of its own per batch size."""
+    def _tree(self, draft_hidden: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
+              forced: torch.Tensor | None = None) -> tuple:
         logits = self.draft_logits(draft_hidden)
-        if forced is not None:
+        if forced is not None:  # [bs, depth], -1: none (grammar/forcing.py)
             logits = force_draft_logits(logits, forced)
         return tree_stage(logits, roots, seq_lens, self.budget, self.depth,
                           self.kernels.build_tree, self.candidates)
 
-    def _accept(self, tokens, parents, depths, choice, out_cache_loc, seq_lens) -> tuple:
-        """Target choices -> StepCommit and CommitSlots fields (fixed shapes; CUDA-graphed)."""
-        return commit_stage(self.kernels.accept_stage, tokens, parents, depths, choice,
-                            out_cache_loc, seq_lens, self.depth, self.out_width)
+    def tail_hook(self, runner, out, forward_batch, num_tokens: int) -> None:
+        """A capture tail hook of SGLang's draft model runner (model_runner.capture_tail_hooks):
+        runs once per captured draft graph, after the drafter, inside the capture.  The block's
+        first token is each request's root (the bonus token); the draft graph's lengths are the
+        committed ones."""
+        del runner
+        hidden = getattr(out, "hidden_states", None)
+        if hidden is None:
+            raise RuntimeError("DDTREE: the draft forward captured no hidden states for the "
+                               "tree stage")
+        bs = num_tokens // self.block
+        roots = forward_batch.input_ids.view(bs, self.block)[:, 0].long()
+        states = hidden.view(bs, self.block, -1)[:, 1:, :]
+        self.out.write(self._tree(states, roots, forward_batch.seq_lens[:bs].long()), bs)
+
+    def run(self, draft_hidden: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
+            forced: torch.Tensor | None = None) -> None:
+        """The stage outside the draft graph, into `out` (a draft forward that ran eagerly, a
+        forced spine)."""
+        inputs = (draft_hidden, roots.long(), seq_lens.long())
+        self.out.write(self.graphed(*inputs, *(() if forced is None else (forced,))),
+                       draft_hidden.shape[0])
+
+    def read(self, bs: int) -> TreeStageOutput:
+        return unpack_tree_stage(self.out.read(bs), self.budget, self.candidates)
+
+
+class AcceptStage:
+    """The target's choices -> (StepCommit, CommitSlots) over the tree stage's buffers; the
+    step writes each node's choice and KV slot into `inputs(bs, width)` and calls `run`."""
+
+    def __init__(self, kernels: Kernels, tree: TreeStage, out_width: int,
+                 graphed: bool = True) -> None:
+        self.kernels, self.tree, self.out_width = kernels, tree, out_width
+        self.enabled, self.frozen = graphed, False
+        rows = tree.out.max_bs * max(tree.widths)
+        device = tree.out.buffers[0].device
+        self.choice = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
+        sample = self._accept(SAMPLE_BS, tree.widths[0])
+        self.ring = tuple(StaticOutputs(sample, tree.out.max_bs) for _ in range(2))
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._slot = 0
+
+    def inputs(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([bs, width] choice, [bs * width] KV slots): where the step writes this step's
+        target choices and verify slots."""
+        return self.choice[: bs * width].view(bs, width), self.slots[: bs * width]
+
+    def _accept(self, bs: int, width: int) -> tuple:
+        tree = self.tree.read(bs)
+        lay = tree.layouts[width]
+        choice, slots = self.inputs(bs, width)
+        return commit_stage(self.kernels.accept_stage, lay.draft_tokens.view(bs, width),
+                            lay.tree_parents, lay.tree_depths, choice, slots.view(bs, width),
+                            tree.seq_lens, self.tree.depth, self.out_width)
+
+    def run(self, bs: int, width: int) -> tuple[StepCommit, CommitSlots]:
+        """The walk and the commit's slots of this step's `bs` requests at `width`."""
+        slot, self._slot = self._slot, self._slot ^ 1
+        padded = self._captured_size(bs, width, slot)
+        if padded is None:
+            return unpack_commit_stage(self._accept(bs, width))
+        self._graphs[(padded, width, slot)].replay()
+        return unpack_commit_stage(self.ring[slot].read(bs))
+
+    def _captured_size(self, bs: int, width: int, slot: int) -> int | None:
+        if not self.enabled:
+            return None
+        if (bs, width, slot) in self._graphs:
+            return bs
+        sizes = [s for (s, w, r) in self._graphs if w == width and r == slot and s > bs]
+        return min(sizes) if sizes else None
+
+    def capture(self, sizes: Sequence[int]) -> None:
+        """A graph per batch size of `sizes`, verify width and ring slot, largest first (the
+        shared pool is sized once)."""
+        for bs in sorted(set(sizes), reverse=True):
+            for width in self.tree.widths:
+                for slot in range(2):
+                    def step(bs=bs, width=width, slot=slot) -> None:
+                        self.ring[slot].write(self._accept(bs, width), bs)
+
+                    self._pool = self._pool or torch.cuda.graph_pool_handle()
+                    self._graphs[(bs, width, slot)] = capture_graph(step, self._pool)
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted({s for (s, _, _) in self._graphs})
+
+
+class GraphedStages:
+    """The tree and accept stages of one worker (see the module docstring)."""
+
+    def __init__(self, kernels: Kernels, budget: int, depth: int, out_width: int,
+                 draft_logits: Callable[[torch.Tensor], torch.Tensor],
+                 budgets: Sequence[int] = (), max_bs: int = 64, hidden_size: int = 0,
+                 dtype: torch.dtype = torch.float32, device="cpu", graphed: bool = True) -> None:
+        self.tree = TreeStage(kernels, budget, depth, draft_logits, tuple(budgets) or (budget,),
+                              max_bs, hidden_size, dtype, device, graphed)
+        self.accept = AcceptStage(kernels, self.tree, out_width, graphed)
+        self.widths = self.tree.widths
 
     def disable_graphs(self) -> None:
-        self.tree.enabled = self.accept.enabled = False
+        self.tree.graphed.enabled = self.accept.enabled = False
 
     def freeze(self) -> None:
-        self.tree.freeze()
-        self.accept.freeze()
+        self.tree.graphed.freeze()
+        self.accept.frozen = True

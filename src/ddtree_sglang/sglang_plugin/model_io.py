@@ -2,9 +2,10 @@
 
 `ModelIO` is the step's view (decode_step.DecodeStep takes one; tests pass their own);
 `DFlashModelIO` serves it from a running DFlashWorkerV2: the draft block through DFLASH's
-block buffers, the tree verify through SGLang's EAGLE verify input, the KV move, the features
-appended to the draft KV and the relay state of the next step.  `draft_logits` is the
-drafter's head (the target's lm_head), which the tree stage runs inside its CUDA graph.
+block buffers (whose CUDA graphs end in the tree stage, graphed_stages.TreeStage.tail_hook),
+the tree verify through SGLang's EAGLE verify input, the KV move, the features appended to the
+draft KV and the relay state of the next step.  `draft_logits` is the drafter's head (the
+target's lm_head), which the tree stage runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ddtree_sglang.tree.stages import CommitSlots, StepCommit, verify_mask
+from ddtree_sglang.tree.stages import CommitSlots, StepCommit, full_mask
 from ddtree_sglang.kernels.choice import Kernels
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
@@ -32,7 +33,7 @@ class ModelIO(Protocol):
 
     def max_step_seq_len(self) -> int: ...
 
-    def draft_block(self, batch, draft_input) -> torch.Tensor: ...
+    def draft_block(self, batch, draft_input) -> tuple[torch.Tensor, bool]: ...
 
     def target_verify(self, batch, draft_input, layout,
                       mask_positions=None) -> tuple[Any, Any, bool, torch.Tensor]: ...
@@ -50,8 +51,9 @@ class DFlashModelIO:
     writer), with the kernels the startup checks kept (`kernels.kv_move`)."""
 
     def __init__(self, worker, kernels: Kernels, block_size: int, verify_width: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, tree_in_draft_graph: bool = False) -> None:
         self.worker, self.kernels = worker, kernels
+        self.tree_in_draft_graph = tree_in_draft_graph  # the draft graphs end in the tree
         self.block_size, self.verify_width, self.vocab_size = block_size, verify_width, vocab_size
         self.target_runner = worker.target_worker.model_runner
         self.device = worker.device
@@ -81,8 +83,9 @@ class DFlashModelIO:
         bound = batch.seq_lens.to("cpu", dtype=torch.int32)  # only without any host copy
         return bound, int(bound.sum())
 
-    def draft_block(self, batch, draft_input) -> torch.Tensor:
-        """One drafter pass over [bonus, MASK...] for every request -> [bs, block, H]: the
+    def draft_block(self, batch, draft_input) -> tuple[torch.Tensor, bool]:
+        """One drafter pass over [bonus, MASK...] for every request -> ([bs, block, H] its
+        states, whether the pass ran the draft CUDA graph whose tail built the trees): the
         block draft of DFlashWorkerV2.forward_batch_generation (a copy, guarded by
         contract.COPIED), stopping before DFLASH's argmax: the tree needs the states."""
         w, bs, block = self.worker, len(batch.seq_lens), self.block_size
@@ -117,7 +120,7 @@ class DFlashModelIO:
         hidden = out.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states")
-        return hidden.view(bs, block, -1)
+        return hidden.view(bs, block, -1), bool(out.can_run_graph and self.tree_in_draft_graph)
 
     def target_verify(self, batch, draft_input, layout,
                       mask_positions=None) -> tuple[Any, Any, bool, torch.Tensor]:
@@ -133,7 +136,7 @@ class DFlashModelIO:
         n = layout.num_tokens_per_req  # this step's width (the bound: the widest step)
         seq_lens_cpu, seq_lens_sum = self.host_seq_lens_bound(batch, draft_input,
                                                               self.verify_width)
-        mask = verify_mask(layout.ancestors, batch.seq_lens, seq_lens_sum, mask_positions)
+        mask = full_mask(layout.ancestors, batch.seq_lens, seq_lens_sum, mask_positions)
         verify_input = sg.EagleVerifyInput(
             draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,
             retrieve_index=layout.retrieve_index,

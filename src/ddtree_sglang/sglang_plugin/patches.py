@@ -1,5 +1,6 @@
 """Every write the plugin makes to SGLang's objects, beside the hooks plugin.py registers: the
-drafter's forward wrapper, the target's verify-attention install, the server-argument
+drafter's forward wrapper, the draft graphs' tail hook, the target's verify-attention install,
+the server-argument
 declarations and fields, the per-width verify runtime, and the per-step fields of the batch,
 the logits output, the step's result and requests.  The rest of the plugin only reads SGLang's
 objects (tests/test_sglang_plugin.py checks it), so a release that changes a convention is
@@ -50,6 +51,14 @@ def wrap_verify_attention(backend, wrap) -> None:
         raise RuntimeError("the triton backend has no extend_attention_fwd attribute")
     backend.extend_attention_fwd = wrap(single, sg.merge_state_triton,
                                         sg.extend_attention_signature())
+
+
+def add_capture_tail_hook(model_runner, hook) -> None:
+    """Append `hook(graph_runner, out, forward_batch, num_tokens)` to the model runner's
+    capture tail hooks: SGLang 0.5.17 calls each inside every decode CUDA graph's capture,
+    after the model's forward (contract.SOURCE_LINES), which is how DFLASH folds its draft
+    sampler into the draft graph.  Must run before the runner's graphs are captured."""
+    model_runner.capture_tail_hooks.append(hook)
 
 
 def declare_server_args(server_args, fields: dict) -> None:

@@ -49,7 +49,8 @@ from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 from sglang.srt.speculative.spec_utils import (GrammarTree, move_accept_tokens_to_target_kvcache,
-                                               traverse_tree)
+                                               spec_stage_span, traverse_tree)
+from sglang.srt.utils.async_probe import maybe_detect_inf, maybe_detect_nan
 
 __all__ = [  # the names the plugin uses as sg.<name>, beside the functions below
     "CaptureHiddenMode", "CustomSpecAlgo", "DFlashDraftInputV2", "DFlashWorkerV2",
@@ -62,6 +63,19 @@ __all__ = [  # the names the plugin uses as sg.<name>, beside the functions belo
     "merge_state_triton", "move_accept_tokens_to_target_kvcache", "prepare_dflash_draft_block",
     "run_post_process_pass", "traverse_tree",
 ]
+
+
+def stage_span(name: str):
+    """SGLang's profiler span of a speculative stage (a shared no-op unless a profiler or NVTX
+    is on), so that a trace names DDTREE's stages."""
+    return spec_stage_span(name)
+
+
+def detect_nan(tensor, what: str) -> None:
+    """SGLang's asynchronous NaN and Inf checks (no host wait; on only under
+    SGLANG_ENABLE_ASYNC_ASSERT), as EAGLE runs them on its logits."""
+    maybe_detect_nan(tensor, what)
+    maybe_detect_inf(tensor, what)
 
 
 def top_k_renorm_prob(*args, **kwargs):

@@ -2,8 +2,9 @@
 
 This is the class SGLang instantiates for `--speculative-algorithm DDTREE` (plugin.py checks
 the SGLang contract before importing this module), and what it does at startup: the kernel
-choice, the tree-verify attention install, the CUDA-graph capture of the tree and accept
-stages, the batch-aware budget's per-width runtimes.
+choice, the tree-verify attention install, the tree stage folded into the drafter's CUDA graphs
+(a capture tail hook, checked first in a graph of its own), the accept stage's graphs, the
+batch-aware budget's per-width runtimes.
 Target hidden-state capture, draft-KV materialisation and the one-pass block draft are
 DFlashWorkerV2's.  A decode step is decode_step.DecodeStep's, built once the KV pools exist
 (init_cuda_graphs); prefill is DFLASH's, run here so that requests with logprobs are served.
@@ -18,7 +19,6 @@ from dataclasses import replace
 
 import torch
 
-from ddtree_sglang.tree.stages import truncate_layout, unpack_tree_stage
 from ddtree_sglang.kernels.choice import Kernels, choose_kernels
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget, build_serving_budget
@@ -58,15 +58,18 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         shard = sg.vocab_shard(lm_head, self.ddtree_vocab_size)
         if shard is not None:  # tp > 1: every rank merges the shards' top-K into one tree
             self.ddtree_kernels = replace(self.ddtree_kernels, vocab_shard=shard)
-        self.ddtree_stages = GraphedStages(
-            self.ddtree_kernels, s.budget, s.depth, s.block_size,
-            functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
-            tuple(s.budgets))
-        self.ddtree_step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
         # What the drafter's layers compute in (its first matrix weight): the target's
         # embeddings may differ, and SGLang's eager path casts them to bfloat16.
         draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
                            if p.dim() == 2 and p.is_floating_point())
+        self.ddtree_stages = GraphedStages(
+            self.ddtree_kernels, s.budget, s.depth, s.block_size,
+            functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
+            tuple(s.budgets), max_bs=self._max_batch_size(),
+            hidden_size=self.draft_model_runner.model_config.hidden_size,
+            dtype=self.draft_model_runner.model_config.dtype, device=self.device)
+        self.ddtree_step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
+        self.ddtree_tail_installed = False
         patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
         # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
         # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
@@ -122,20 +125,35 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             logger.info("DDTREE verify attention: kernel (split-KV prefix + masked tree in one "
                         "online softmax, kernels/tree_attention.py)")
 
+    def _max_batch_size(self) -> int:
+        """The most requests a decode batch can hold: the request pool's rows."""
+        return int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+
     def init_cuda_graphs(self):
-        """SGLang's graphs, then the tree stages' (if the batch sizes were unknown before),
+        """The tree stage's own graphs (if the batch sizes were unknown before) and its tail
+        hook on the draft runner, SGLang's graphs (the drafter's now end in the tree stage),
         the batch-aware budget's per-width runtimes, and the decode step over them."""
-        super().init_cuda_graphs()
         if not self.ddtree_graphs_done:
             self.ddtree_graphs_done = self._capture_tree_graphs("after the KV pool")
+        stages = self.ddtree_stages
+        if stages.tree.graphed.enabled and stages.tree.graphed.captured_sizes:
+            # Checked capture-safe in a graph of its own above, so SGLang's captures hold it.
+            patches.add_capture_tail_hook(self.draft_model_runner, stages.tree.tail_hook)
+            self.ddtree_tail_installed = True
+        super().init_cuda_graphs()
         s = self.ddtree_settings
         serving_budget = self._build_serving_budget() if len(s.budgets) > 1 else None
         clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
         rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
-        io = DFlashModelIO(self, self.ddtree_kernels, s.block_size, s.verify_width, self.ddtree_vocab_size)
-        self.ddtree_step = DecodeStep(s, self.ddtree_vocab_size, io, self.ddtree_stages,
-                               PenaltyState(rows, self.ddtree_vocab_size, self.device), MaskCosts(),
-                               serving_budget, clock)
+        io = DFlashModelIO(self, self.ddtree_kernels, s.block_size, s.verify_width,
+                           self.ddtree_vocab_size, tree_in_draft_graph=self.ddtree_tail_installed)
+        self.ddtree_step = DecodeStep(s, self.ddtree_vocab_size, io, stages,
+                                      PenaltyState(rows, self.ddtree_vocab_size, self.device),
+                                      MaskCosts(), serving_budget, clock)
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE tree stage %s", "inside the drafter's CUDA graphs"
+                        if self.ddtree_tail_installed else "outside the drafter's graphs "
+                        "(its own graph per batch size, or eager)")
 
     def _build_serving_budget(self) -> ServingBudget | None:
         variant = self.ddtree_kernels.verify_attention
@@ -150,12 +168,13 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                                      min_gain=s.min_gain)
 
     def _capture_tree_graphs(self, when: str) -> bool:
-        """Capture the tree and acceptance stages for every decode CUDA-graph batch size
-        (largest first, so the shared pool is sized once), then freeze them: a batch size
+        """Capture the tree stage (its graphed fallback, which also shows it capture-safe for
+        the draft graphs' tail) and the accept stage for every decode CUDA-graph batch size
+        (largest first, so each shared pool is sized once), then freeze them: a batch size
         seen later is padded to a captured one, nothing is captured while serving.
         Returns whether the capture question is settled."""
         stages, s = self.ddtree_stages, self.ddtree_settings
-        if not (stages.tree.enabled and torch.cuda.is_available()):
+        if not (stages.tree.graphed.enabled and torch.cuda.is_available()):
             return True
         decode = sg.decode_graph_config()
         if decode is None or not decode.bs:
@@ -163,7 +182,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         if sg.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
             stages.disable_graphs()
             return True
-        sizes = sorted(set(decode.bs), reverse=True)
+        sizes = sorted({min(b, stages.tree.out.max_bs) for b in decode.bs}, reverse=True)
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
         mem_before = torch.cuda.memory_reserved() / 2**20
@@ -174,21 +193,15 @@ class DDTreeWorker(sg.DFlashWorkerV2):
 
         try:
             for bs in sizes:
-                lay, _, _ = unpack_tree_stage(stages.tree(
-                    zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs), zeros(bs) + 1),
-                    stages.widths)
+                stages.tree.run(zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs), zeros(bs) + 1)
                 if s.grammar_force == "spine":  # the tree stage with a spine input
-                    stages.tree(zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs),
-                                zeros(bs) + 1, zeros(bs, s.depth) - 1)
-                for budget in s.budgets:  # one acceptance graph per verify width
-                    cut = truncate_layout(lay, budget + 1)
-                    stages.accept(cut.draft_tokens.view(bs, budget + 1), cut.tree_parents,
-                                  cut.tree_depths, zeros(bs, budget + 1),
-                                  zeros(bs, budget + 1), zeros(bs) + 1)
+                    stages.tree.run(zeros(bs, s.depth, hidden, dtype=dtype), zeros(bs),
+                                    zeros(bs) + 1, zeros(bs, s.depth) - 1)
+            stages.accept.capture(sizes)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager stays exact
-            logger.warning("DDTREE: startup capture of the tree stage failed (%s); it runs "
-                           "eagerly", exc)
+            logger.warning("DDTREE: startup capture of the tree and accept stages failed (%s); "
+                           "they run eagerly", exc)
             stages.disable_graphs()
             return True
         stages.freeze()

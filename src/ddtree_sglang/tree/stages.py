@@ -1,13 +1,12 @@
-"""Everything a DDTree decode step computes, engine-agnostic; the SGLang worker's stages call
-this module (plus `graphed`, `sampling`, `logprobs` and `kernel_choice`):
+"""Everything a DDTree decode step computes on its tensors, engine-agnostic (the SGLang plugin's
+graphed_stages.py captures the two stages; sampling/ and kernels/choice.py supply the rest):
 
-* the two fixed-shape stages it replays from CUDA graphs: drafter logits -> tree + verify
-  layout (`tree_stage`), and target choices -> acceptance (`accept_stage`, or the Triton twin
-  kernel_choice.Kernels picks) with everything the commit computes from it (`commit_stage`:
-  the KV moves that put the accepted path at its committed positions, `kv_moves`, the
-  draft-KV slots and positions, `commit_slots`, the new lengths), so the commit issues no
-  tensor op of its own;
-* the tree attention mask in SGLang's FULL_MASK format (`verify_mask`) and the per-node
+* the two fixed-shape stages an engine replays from CUDA graphs: drafter logits -> tree +
+  verify layout of every candidate width (`tree_stage`), and target choices -> acceptance
+  (`accept_stage`, or the Triton twin kernels.choice.Kernels picks) with everything the commit
+  computes from it (`commit_stage`: the KV moves that put the accepted path at its committed
+  positions, `kv_moves`, the draft-KV slots and positions, `commit_slots`, the new lengths);
+* the tree attention mask in SGLang's FULL_MASK format (`full_mask`) and the per-node
   penalties (`penalise_nodes`).
 """
 
@@ -21,14 +20,14 @@ import torch
 from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens
 from ddtree_sglang.budget.controller import expected_by_depth_per_request
 from ddtree_sglang.tree.draft_tree import DraftTree
-from ddtree_sglang.tree.verify_layout import (VerifyLayout, build_verify_layout, mask_positions,
-                                         truncate_layout)
-from ddtree_sglang.tree.verify_layout import full_mask as verify_mask
+from ddtree_sglang.tree.verify_layout import (VerifyLayout, build_verify_layout, full_mask,
+                                              mask_positions, truncate_layout)
 from ddtree_sglang.sampling.penalties import PenaltyParams, apply_tree_penalties, path_tokens
 
-__all__ = ["CommitSlots", "StepCommit", "VerifyLayout", "accept_stage", "commit_slots",
-           "commit_stage", "kv_moves", "penalise_nodes", "stage_widths", "tree_stage", "truncate_layout",
-           "unpack_commit_stage", "unpack_tree_stage", "verify_mask"]
+__all__ = ["CommitSlots", "StepCommit", "TreeStageOutput", "VerifyLayout", "accept_stage",
+           "commit_slots", "commit_stage", "kv_moves", "penalise_nodes", "stage_widths",
+           "tree_stage", "truncate_layout", "unpack_commit_stage", "unpack_tree_stage",
+           "full_mask", "verify_widths"]
 
 # (draft logits [bs, L, V], budget) -> the B-best trees (kernel_choice.Kernels.build_tree)
 Builder = Callable[[torch.Tensor, int], DraftTree]
@@ -48,38 +47,65 @@ def penalise_nodes(logits: torch.Tensor, counts: torch.Tensor, out_len: torch.Te
 MASK_POSITIONS_MAX_WIDTH = 128
 
 
+def verify_widths(budget: int, candidate_budgets: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Every verify width a step may use (the candidates' and B's, + 1 each), ascending."""
+    return tuple(sorted({budget + 1, *(c + 1 for c in candidate_budgets)}))
+
+
 def stage_widths(budget: int, candidate_budgets: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The verify widths whose mask positions the tree stage computes, ascending."""
-    return tuple(w for w in sorted({budget + 1, *(c + 1 for c in candidate_budgets)})
+    return tuple(w for w in verify_widths(budget, candidate_budgets)
                  if w <= MASK_POSITIONS_MAX_WIDTH)
+
+
+@dataclass(frozen=True)
+class TreeStageOutput:
+    """What the tree stage hands the rest of the step, per verify width of the step's
+    candidates: the tree cut to that width (layouts), where its ancestor blocks go in the flat
+    verify mask (mask_positions; widths above MASK_POSITIONS_MAX_WIDTH are placed on the host),
+    the candidates' expected acceptance per depth (depth_probs [bs, K, depth], None when the
+    budget is pinned) and the committed lengths the tree was built at (seq_lens [bs])."""
+
+    layouts: dict[int, VerifyLayout]
+    mask_positions: dict[int, torch.Tensor]
+    depth_probs: torch.Tensor | None
+    seq_lens: torch.Tensor
 
 
 def tree_stage(draft_logits: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
                budget: int, depth: int, builder: Builder,
                candidate_budgets: tuple[int, ...] = ()) -> tuple:
-    """[bs, L, V] drafter logits -> a flat tuple (graph outputs): the VerifyLayout fields, the
-    verify mask's positions of every width of stage_widths (verify_layout.mask_positions), and
-    with `candidate_budgets` (each <= budget) [bs, K, depth] the drafter's expected acceptance
-    per depth of the tree cut to each candidate budget (budget.expected_by_depth_per_request),
-    which the batch-aware budget choice reads.  unpack_tree_stage reads it back."""
+    """[bs, L, V] drafter logits -> a flat tuple of fixed-shape tensors (graph outputs) that
+    unpack_tree_stage reads back as a TreeStageOutput: the B-best tree's verify layout cut to
+    every verify width (verify_widths), the mask positions of every width of stage_widths
+    (verify_layout.mask_positions), with `candidate_budgets` (each <= budget) [bs, K, depth]
+    the drafter's expected acceptance per depth of the tree cut to each candidate
+    (budget.expected_by_depth_per_request), and the lengths."""
     tree = builder(draft_logits, budget)
-    lay = build_verify_layout(tree, roots, seq_lens, max_depth=depth)
-    out = tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
+    full = build_verify_layout(tree, roots, seq_lens, max_depth=depth)
+    out: tuple = ()
+    for width in verify_widths(budget, candidate_budgets):
+        lay = truncate_layout(full, width)
+        out += tuple(getattr(lay, f.name) for f in fields(VerifyLayout))
     out += tuple(mask_positions(seq_lens, w) for w in stage_widths(budget, candidate_budgets))
     if candidate_budgets:
         out += (expected_by_depth_per_request(tree.scores, tree.depths, list(candidate_budgets),
                                               depth),)
-    return out
+    return out + (seq_lens,)
 
 
-def unpack_tree_stage(out: tuple, widths: tuple[int, ...]) -> tuple[
-        VerifyLayout, dict[int, torch.Tensor], torch.Tensor | None]:
-    """tree_stage's outputs -> (its VerifyLayout, the mask positions by verify width of
-    `widths` (stage_widths), the candidates' expected acceptance or None)."""
+def unpack_tree_stage(out: tuple, budget: int,
+                      candidate_budgets: tuple[int, ...] = ()) -> TreeStageOutput:
+    """tree_stage's flat outputs (for the same budget and candidates) -> TreeStageOutput."""
     n = len(fields(VerifyLayout))
-    positions = dict(zip(widths, out[n:n + len(widths)]))
-    rest = out[n + len(widths):]
-    return VerifyLayout(*out[:n]), positions, (rest[0] if rest else None)
+    widths = verify_widths(budget, candidate_budgets)
+    layouts = {w: VerifyLayout(*out[i * n:(i + 1) * n]) for i, w in enumerate(widths)}
+    rest = out[len(widths) * n:]
+    placed = stage_widths(budget, candidate_budgets)
+    positions = dict(zip(placed, rest[:len(placed)]))
+    rest = rest[len(placed):]
+    return TreeStageOutput(layouts=layouts, mask_positions=positions,
+                           depth_probs=rest[0] if len(rest) > 1 else None, seq_lens=rest[-1])
 
 
 @dataclass(frozen=True)
