@@ -221,6 +221,16 @@ def test_a_load_that_ends_before_the_profiled_steps_is_named(tmp_path):
         profile.wait_for_trace(tmp_path, timeout=5, given_up=lambda: True, grace=0.3)
 
 
+def test_a_failed_request_is_the_profiles_error_and_no_profile_starts(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(OSError, match="refused"):
+        profile.profile_under_load(url, [[1, 2]], {"max_new_tokens": 4}, 2, tmp_path / "t", 5,
+                                   ["GPU"])
+    assert not (tmp_path / "t").exists()
+
+
 def test_only_the_servers_a_run_recorded_are_stopped(tmp_path, monkeypatch):
     """A launcher killed before it could stop its server leaves it running; stop_recorded (what
     scripts/gpu_run.sh runs on exit) stops the groups its record names and no other server on

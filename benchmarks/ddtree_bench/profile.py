@@ -71,10 +71,12 @@ def _stream_one(url: str, input_ids: list[int], params: dict, first: threading.E
 
     body = {"input_ids": input_ids, "sampling_params": params, "stream": True}
     n = 0
-    for _ in _post_stream(url + "/generate", body, timeout=600.0):
-        n += 1
-        first.set()
-    first.set()  # ended (or failed) without output: nothing to wait for
+    try:
+        for _ in _post_stream(url + "/generate", body, timeout=600.0):
+            n += 1
+            first.set()
+    finally:
+        first.set()  # ended or failed without output: nothing to wait for
     return n
 
 
@@ -95,6 +97,9 @@ def profile_under_load(url: str, prompts: list[list[int]], params: dict, bs: int
         if not all(ev.is_set() for ev in firsts):
             raise TimeoutError(f"{sum(not e.is_set() for e in firsts)} of {bs} requests had no "
                                f"first token after {first_timeout:.0f} s")
+        failed = next((f.exception() for f in load if f.done() and f.exception()), None)
+        if failed is not None:  # a request that failed is the profile's error
+            raise failed
         start_profile(url, trace_dir, steps, activities)
         events = wait_for_trace(trace_dir, given_up=lambda: all(f.done() for f in load))
         for f in load:
