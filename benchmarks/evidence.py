@@ -9,7 +9,9 @@ add up).
 `run` takes the plan's slices in order that still lack committed results, as many as fit its time
 (`--seconds`, the device call's 540 s less what the call spent before it), and writes each to
 OUT/<slice id>/<date>_<card>_<n>/: slice.json, slice.md and logs.tgz (three files a slice, at
-most two slices a call: a device call returns eight files).  It prints a short table last.
+most two slices a call: a device call returns eight files).  Its log has one line per
+measurement (arm, concurrency, round, requests, seconds, tok/s) and one per cell (its null and
+ratios), no progress bars; it prints a short table last.
 """
 
 from __future__ import annotations
@@ -38,12 +40,17 @@ LOG_TAIL_LINES = 3000
 
 
 def _meta(s: evidence.SlicePlan, plan: evidence.EvidencePlan, levels: list[int]) -> dict:
-    return dict(slice=s.id, item=s.item, what=s.what, date=time.strftime("%Y-%m-%d"),
+    meta = dict(slice=s.id, item=s.item, what=s.what, date=time.strftime("%Y-%m-%d"),
                 device=run.device_name(), commit=run.commit_id(),
                 command="bash scripts/gpu_run.sh evidence", arms=s.arms, kinds=s.kinds,
                 levels=levels, seconds=s.seconds or plan.seconds,
                 rounds=s.rounds or plan.rounds, max_new_tokens=plan.max_new_tokens,
                 phase=s.phase, env=s.env)
+    if not s.phase:
+        twin = evidence.slice_arms(plan, s)[-1].name
+        meta.update(arms=[*s.arms, twin], work="fixed",
+                    null=dict(arm=evidence.null_of(plan, s), twin=twin))
+    return meta
 
 
 def _pack_logs(folder: Path, sources: list[Path]) -> None:
@@ -66,7 +73,8 @@ def run_serving(plan, s, levels, folder: Path, stop_at: float) -> dict:
     results = dict(meta=_meta(s, plan, levels), rows=[], greedy_vs_plain={}, failures={})
     save = lambda: (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))  # noqa: E731
     try:
-        slices.measure_slice(cfg, s.kinds, folder, results, save, stop_at=stop_at)
+        slices.measure_slice(cfg, s.kinds, folder, results, save, stop_at=stop_at,
+                             null=evidence.null_of(plan, s))
     except Exception as exc:  # noqa: BLE001 - a broken slice is recorded, the call goes on
         results["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     save()
@@ -90,7 +98,9 @@ def run_phase(plan, s, folder: Path, stop_at: float) -> dict:
     results = dict(meta=_meta(s, plan, []), rc=rc, outputs=outputs)
     (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))
     tail = (folder / "phase.log").read_text().splitlines()[-60:]
-    (folder / "slice.md").write_text(f"# {s.id}: phase {s.phase}, exit {rc}\n\n```\n"
+    reports = [f.read_text() for f in sorted(work.rglob("*.md"))] if work.exists() else []
+    (folder / "slice.md").write_text(f"# {s.id}: phase {s.phase}, exit {rc}\n\n"
+                                     + "".join(r + "\n" for r in reports) + "```\n"
                                      + "\n".join(tail) + "\n```\n")
     _pack_logs(folder, [work, folder / "phase.log"] if work.exists() else [folder / "phase.log"])
     shutil.rmtree(work, ignore_errors=True)
@@ -139,15 +149,19 @@ def cmd_run(args) -> int:
 
 def summary_table(done, wall: float) -> str:
     lines = [f"evidence call: {len(done)} slice(s) in {wall:.0f} s", "",
-             "| slice | folder | cells done | skipped | failures | note |", "|---|---|---|---|---|---|"]
+             "| slice | folder | cells done | counted | null (worst) | skipped | failures | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for s, folder, res in done:
         if s.phase:
-            lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | phase | - | - | "
-                         f"exit {res['rc']} |")
+            lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | phase | "
+                         f"{'yes' if res['rc'] == 0 else 'no'} | - | - | - | exit {res['rc']} |")
             continue
         cells_ = sorted(evidence.cells_of(res))
+        counted = evidence.counted_cells(res)
+        worst = (res.get("null") or {}).get("worst")
         lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | "
                      f"{', '.join(f'{k}@{c}' for k, c in cells_) or '-'} | "
+                     f"{len(counted)} of {len(cells_)} | {'-' if worst is None else worst} | "
                      f"{len(res.get('cells_skipped', []))} | {len(res.get('failures') or {})} | "
                      f"{res.get('error', '')[:80]} |")
     for s, _, res in done:
@@ -193,6 +207,8 @@ def cmd_report(args) -> int:
     png = evidence.plot(plan, found, args.results / "evidence.png")
     if png:
         md += "\n![DDTREE / DFLASH per cell](evidence.png)\n"
+    else:  # nothing to plot: no stale picture beside the report
+        (args.results / "evidence.png").unlink(missing_ok=True)
     (args.results / "README.md").write_text(md)
     print(md)
     return 0

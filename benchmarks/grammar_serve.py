@@ -8,9 +8,11 @@ Every arm's server starts together on the shipped testbed pair (triton attention
 --constrained-json-disable-any-whitespace: the testbed target writes code, and with free
 whitespace a JSON object may never close).  Per (grammar kind, concurrency) the arms are
 measured interleaved (bench/cells.py): `--rounds` rounds, each measuring every arm once after
-its own warm-up, under sustained load for `--seconds`.  Greedy, `/generate` with token ids.
+its own warm-up, on fixed work (every arm serves the same request list, sized from a probe so the
+slowest arm needs about `--seconds`).  Greedy, `/generate` with token ids.  `--null ARM` serves
+ARM twice (a second server, `ARM-null`): their ratio per cell is its measured noise.
 Reports output tok/s (median of rounds), each DDTREE arm's ratio to DFLASH (median of the
-per-round ratios, with their range), accept length, and every arm's greedy outputs against
+per-round time ratios, with their range), accept length, and every arm's greedy outputs against
 plain SGLang's on the same prompts (a divergence is scored by the plain server: near-tie or
 not).  Writes grammar_serve.json after every cell and grammar_serve.md at the end.
 """
@@ -31,7 +33,7 @@ from ddtree_bench.config import Arm, BenchConfig  # noqa: E402
 from ddtree_bench.grammars import kind_names  # noqa: E402
 from ddtree_bench.server import stop_servers_on_sigterm  # noqa: E402
 from ddtree_bench.slices import (goal_lines, grammar_tax, markdown,  # noqa: E402,F401
-                                        measure_slice, ratio_to)
+                                 measure_slice, null_twin, ratio_to)
 from ddtree_sglang.cli import positive_float, positive_int, positive_int_list  # noqa: E402
 
 ARMS = {
@@ -75,14 +77,15 @@ def kinds_arg(text: str) -> list[str]:
 
 
 def config(args) -> BenchConfig:
+    arms = [ARMS[a] for a in args.arms] + ([null_twin(ARMS[args.null])] if args.null else [])
     return BenchConfig(
-        name="grammar-serve", arms=[ARMS[a] for a in args.arms], concurrency=args.concurrency,
-        endpoint="native", mem_fraction_static=0.4, cuda_graph_max_bs=64,
-        max_total_tokens=262144, startup_group=len(args.arms),
+        name="grammar-serve", arms=arms, concurrency=args.concurrency,
+        endpoint="native", mem_fraction_static=0.4 if len(arms) <= 4 else 0.2,
+        cuda_graph_max_bs=64, max_total_tokens=262144, startup_group=len(arms),
         prompts=dict(source=str(ROOT / "testbed" / "prompts.jsonl"), limit=32),
         model_path=str(ROOT / "testbed" / "target"),
         draft_model_path=str(ROOT / "testbed" / "drafter"), max_new_tokens=args.max_new_tokens,
-        temperature=0.0, min_cell_seconds=args.seconds, repeats=args.rounds,
+        temperature=0.0, cell_seconds=args.seconds, repeats=args.rounds,
         warmup_per_cell=True, interleave=True)
 
 
@@ -110,20 +113,28 @@ def main() -> None:
     ap.add_argument("--kinds", type=kinds_arg, default=kind_names("none,json,json_bounded,regex"),
                     help="comma list of grammar kinds (bench/grammars.py) and none")
     ap.add_argument("--concurrency", type=positive_int_list, default=[1, 16, 64])
-    ap.add_argument("--seconds", type=positive_float, default=4.0,
-                    help="sustained load per cell")
+    ap.add_argument("--seconds", type=positive_float, default=6.0,
+                    help="a measurement's time: the cell's request list is sized from a probe so "
+                         "the slowest arm needs about this long (4-8 s)")
+    ap.add_argument("--null", choices=list(ARMS), default=None,
+                    help="serve this arm twice (two servers) for the measured null")
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--max-new-tokens", type=positive_int, default=128)
     ap.add_argument("--merge-from", type=Path, nargs="*", default=[],
                     help="earlier grammar_serve.json files whose cells join this table")
     ap.add_argument("--report-only", action="store_true", help="merge and report, run nothing")
     args = ap.parse_args()
+    if args.null and args.null not in args.arms:
+        ap.error(f"--null {args.null}: not among --arms ({', '.join(args.arms)})")
     args.out.mkdir(parents=True, exist_ok=True)
 
     results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), command="python "
                              + " ".join(sys.argv), commit=run.commit_id(),
-                             device=run.device_name(), arms=args.arms, seconds=args.seconds,
-                             rounds=args.rounds, max_new_tokens=args.max_new_tokens),
+                             device=run.device_name(),
+                             arms=[a.name for a in config(args).arms], seconds=args.seconds,
+                             rounds=args.rounds, max_new_tokens=args.max_new_tokens, work="fixed",
+                             null=dict(arm=args.null, twin=null_twin(ARMS[args.null]).name)
+                             if args.null else None),
                    rows=[], greedy_vs_plain={}, failures={})
 
     def save() -> None:
@@ -131,7 +142,7 @@ def main() -> None:
 
     if not args.report_only:
         stop_servers_on_sigterm()
-        measure_slice(config(args), args.kinds, args.out, results, save)
+        measure_slice(config(args), args.kinds, args.out, results, save, null=args.null)
     for i, path in enumerate(args.merge_from):
         merge(results, json.loads(path.read_text()), adopt_meta=args.report_only and i == 0)
     save()

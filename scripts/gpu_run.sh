@@ -13,6 +13,7 @@
 #   bash scripts/gpu_run.sh bench     # serving benchmark on the testbed pair                 (~5 min)
 #   ARMS=no-spec,dflash,ddtree-b32 bash scripts/gpu_run.sh cost     # cost mode, Qwen3-8B shapes
 #   ARMS=dflash,ddtree-b15 bash scripts/gpu_run.sh profile          # per-step kernel table, 8B shapes
+#   CONFIG=configs/testbed_profile.yaml bash scripts/gpu_run.sh profile  # ... on the testbed pair
 #   bash scripts/gpu_run.sh pair      # two replicas on one GPU (multi-replica path)           (~5 min)
 #   bash scripts/gpu_run.sh evidence  # the next slices of configs/evidence.yaml that lack committed
 #                                     # results, within one device call (ONLY=slice,ids to pick)
@@ -20,13 +21,25 @@
 #                                     # a serving config, one slice of concurrency levels
 # OUT (default /tmp/out) receives the results; server logs are packed into one tarball per
 # phase.  LIMIT (seconds) bounds a phase; its servers are stopped when it runs out.
+# Only the servers this invocation started are ever stopped (the machine may be shared): every
+# launch records its process group in $DDTREE_SERVER_PIDS (ddtree_bench/server.py), and on exit
+# the groups still alive there are stopped; servers of other users or runs are left alone.
 set -uo pipefail
 source scripts/checkout_env.sh || exit 1
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"
 LIMIT="${LIMIT:-560}"   # seconds; the script stops its servers on SIGTERM
 mkdir -p "$OUT"
-pkill -f sglang.launch_server 2>/dev/null || true   # nothing left from an earlier call
+DDTREE_SERVER_PIDS="$(mktemp "${TMPDIR:-/tmp}/ddtree-servers.XXXXXX")" || exit 1
+export DDTREE_SERVER_PIDS
+stop_own_servers() {
+    [ -f "$DDTREE_SERVER_PIDS" ] || return 0
+    python -m ddtree_bench.server stop-recorded "$DDTREE_SERVER_PIDS"
+    rm -f "$DDTREE_SERVER_PIDS"
+}
+trap stop_own_servers EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 # Triton kernels compiled by an earlier run (opt-in): with .tcache/triton_cache.tar.xz present,
 # servers skip most of the 1-1.5 min of kernel compilation a fresh machine spends;
 # SAVE_TRITON_CACHE=1 writes this run's cache (cubins and metadata only) to

@@ -157,8 +157,16 @@ def _error_line(capsys, argv) -> str:
     ("- 1\n- 2\n", "expected a mapping of keys"),
     ("name: x\narms: [{name: a}]\ntemperature: -1\n", "temperature: Input should be greater"),
     ("name: x\narms: [{name: a}]\nconcurrency: [0]\n", "concurrency levels must be >= 1 (got [0])"),
-    ("name: x\narms: [{name: a}]\ncost_mode: {profile_batches: [8, 0]}\n",
-     "cost_mode.profile_batches: every entry must be >= 1 (got [8, 0])"),
+    ("name: x\narms: [{name: a}]\nprofile: {batches: [8, 0]}\n",
+     "profile.batches: every entry must be >= 1 (got [8, 0])"),
+    ("name: x\narms: [{name: a}]\nprofile: {batchs: [8]}\n",
+     "unknown key 'profile.batchs'; accepted here: batches, steps, new_tokens, launches"),
+    ("name: x\narms: [{name: a}]\nconcurrency: []\n",
+     "concurrency: at least one level is needed (or profile.batches"),
+    ("name: x\narms: [{name: a}]\ninterleave: true\nmin_cell_seconds: 8\n",
+     "interleaved arms serve one fixed request list per cell: set cell_seconds"),
+    ("name: x\narms: [{name: a}]\ncell_seconds: 6\nmin_cell_requests: 8\n",
+     "cell_seconds (fixed work) and min_cell_seconds / min_cell_requests"),
 ])
 def test_bad_configs_end_in_one_line_naming_the_file(tmp_path, capsys, text, needle):
     path = tmp_path / "bad.yaml"
@@ -172,7 +180,9 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     assert serve_bench.main(["--config", str(cfg), "--dry-run", "--concurrency", "2"]) == 0
     out = capsys.readouterr().out
     assert "3 arms x 2 replicas" in out and "16 requests at 2" in out
-    assert out.count(f"CUDA_VISIBLE_DEVICES=0 {sys.executable} -m no_such_module") == 6
+    assert out.count(f"{sys.executable} -m no_such_module") == 6
+    assert out.count("  CUDA_VISIBLE_DEVICES=0 ") == 6
+    assert out.count("  CUDA_VISIBLE_DEVICES=0 SGLANG_DDTREE_BUDGETS=off ") == 2  # ddtree-b32
     assert "--speculative-num-draft-tokens 33" in out and not list(tmp_path.glob("logs"))
     # a low-concurrency call may capture fewer graphs (faster start)
     assert serve_bench.main(["--config", str(cfg), "--dry-run", "--concurrency", "1,2",
@@ -274,36 +284,62 @@ def test_serving_run_split_by_concurrency_merges_and_judges_the_batch_aware_arm(
     assert report.budget_verdict(low["rows"][:2]) == []  # no ddtree-auto arm: no section
 
 
-def test_interleaved_rounds_measure_every_arm_in_turn(monkeypatch):
-    """Round r measures each arm once, starting at arm r mod n, each after its own warm-up;
-    rows keep the round order beside the sorted rates."""
-    from contextlib import nullcontext
+def test_interleaved_rounds_serve_one_request_list_every_arm_in_turn(monkeypatch):
+    """A probe serves one wave per arm (the slowest sizes the list), then round r measures each
+    arm once, starting at arm r mod n, each after its own warm-up, every measurement on the same
+    list; rows keep the round order (times and rates) beside the sorted rates, and the log has
+    one line per measurement."""
     from types import SimpleNamespace
 
     from ddtree_bench import cells
     from ddtree_bench.config import Arm
 
     events = []
-    monkeypatch.setattr(cells, "warm_up", lambda cfg, urls, *a: events.append(("warm", urls[0])))
-    rate = iter([10.0, 20.0, 30.0, 12.0, 22.0, 32.0, 8.0, 18.0, 28.0]).__next__
+    probe = {"a": 0.5, "b": 1.0, "c": 0.25}  # b is the slowest: 4 requests in 1 s
 
-    def once(cfg, urls, prompts, params, conc, bar, logs):
-        events.append(("measure", urls[0]))
-        return dict(output_tok_s=rate(), steady_tok_s=None), [urls[0]]
+    def warm(cfg, urls, prompts, params, conc):
+        events.append(("warm", urls[0]))
+        return probe[urls[0]]
 
-    monkeypatch.setattr(cells, "measure_once", once)
-    cfg = SimpleNamespace(repeats=3, warmup_per_cell=True)
+    monkeypatch.setattr(cells, "warm_up", warm)
+    wall = iter([1.0, 2.0, 3.0, 1.2, 2.2, 3.2, 0.8, 1.8, 2.8]).__next__
+
+    def fixed(cfg, urls, prompts, params, conc, n, logs):
+        events.append(("measure", urls[0], n))
+        w = wall()
+        return dict(output_tok_s=100 / w, wall_s=w, output_tokens=100, requests=n, errors=0,
+                    steady_tok_s=None), [urls[0]]
+
+    monkeypatch.setattr(cells, "measure_fixed", fixed)
+    cfg = SimpleNamespace(repeats=3, warmup_per_cell=True, cell_seconds=6.0)
     arms = [Arm(name=n, algorithm="DDTREE", budget=8) for n in "abc"]
     live = [(arm, [arm.name], []) for arm in arms]
-    out = cells.measure_interleaved(cfg, live, [], {}, 4, lambda **kw: nullcontext())
-    measured = [u for kind, u in events if kind == "measure"]
-    assert measured == list("abc" "bca" "cab")
-    assert events[:2] == [("warm", "a"), ("measure", "a")]  # a warm-up before each measurement
+    lines = []
+    out = cells.measure_interleaved(cfg, live, [], {}, 4, log=lines.append)
+    assert events[:3] == [("warm", "a"), ("warm", "b"), ("warm", "c")]  # the probe
+    measured = [e for e in events if e[0] == "measure"]
+    assert [e[1] for e in measured] == list("abc" "bca" "cab")
+    assert {e[2] for e in measured} == {24}  # 6 s at b's 4 requests / s, whole waves of 4
+    assert events[3:5] == [("warm", "a"), ("measure", "a", 24)]  # a warm-up before each
     rows = {row["arm"]: row for _, row in out}
-    # arm a got 10 (round 1), 32 (round 2, third in turn), 18 (round 3, second)
-    assert rows["a"]["rounds_tok_s"] == [10.0, 32.0, 18.0]
-    assert rows["a"]["runs_tok_s"] == [10.0, 18.0, 32.0] and rows["a"]["output_tok_s"] == 18.0
+    # arm a took 1.0 s (round 1), 3.2 s (round 2, third in turn), 1.8 s (round 3, second)
+    assert rows["a"]["rounds_wall_s"] == [1.0, 3.2, 1.8]
+    assert rows["a"]["rounds_tok_s"] == [100.0, 100 / 3.2, 100 / 1.8]
+    assert rows["a"]["runs_tok_s"] == sorted(rows["a"]["rounds_tok_s"])
     assert [row["arm"] for _, row in out] == ["a", "b", "c"]
+    assert len(lines) == 9 and all("requests" in x and " s " in x and "tok/s" in x
+                                   for x in lines)
+    assert lines[0].startswith("a ") and "c=4" in lines[0] and "round 1/3" in lines[0]
+
+
+def test_a_fixed_work_list_is_sized_so_the_slowest_arm_needs_the_cell_seconds():
+    from ddtree_bench.cells import size_requests
+
+    # waves of 64: the slowest probe took 2 s (32 requests / s); 6 s = 192 requests
+    assert size_requests(6.0, 64, [0.5, 2.0, 1.0]) == 192
+    assert size_requests(6.0, 64, [2.1]) == 192  # 182.9 rounded up to whole waves
+    assert size_requests(4.0, 1, [0.25]) == 16  # c = 1: one request a wave
+    assert size_requests(4.0, 8, [30.0]) == 8  # never less than one wave
 
 
 def test_round_ratios_pair_the_arms_of_each_round():
@@ -698,5 +734,6 @@ def test_arms_know_tp_and_page_size_and_the_8_gpu_config_plans_tp2_pairs(tmp_pat
     out = capsys.readouterr().out
     assert out.count("[ddtree-b31-tp2, GPU ") == 4 and "[ddtree-b31-tp2, GPU 6,7]" in out
     assert out.count("[ddtree-b15, GPU ") == 8
-    pair = next(line for line in out.splitlines() if "[dflash-tp2, GPU 2,3]" in line)
-    assert "CUDA_VISIBLE_DEVICES=2,3" in pair and "--tp-size 2" in pair
+    lines = out.splitlines()
+    pair = lines[lines.index("  # [dflash-tp2, GPU 2,3]") + 1]
+    assert pair.startswith("  CUDA_VISIBLE_DEVICES=2,3 ") and "--tp-size 2" in pair

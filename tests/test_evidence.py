@@ -1,15 +1,17 @@
 """The evidence plan (bench/evidence.py, benchmarks/evidence.py): which slices a call runs next,
-how committed slices combine (ratios inside a slice only), the report and its refusals.  The
-serving itself needs a GPU; here slice results are synthetic."""
+which committed cells count (a measured null within 5%), how counted slices combine (time ratios
+inside a slice only), the report and its refusals.  The serving itself needs a GPU; here slice
+results are synthetic, or measured against the stand-in server."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from ddtree_bench import evidence
-from ddtree_bench.config import ConfigError
+from ddtree_bench import evidence, run, slices
+from ddtree_bench.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -20,6 +22,7 @@ PLAN = """
 slices_per_cell: 2
 seconds: 4
 rounds: 2
+null_arm: ddtree-auto
 arms:
   plain: {}
   dflash: {algorithm: DFLASH}
@@ -31,6 +34,7 @@ slices:
      seconds: 8}
   - {id: e2e, item: 4, what: e2e, phase: e2e, phase_seconds: 400}
 """
+TWIN = "ddtree-auto-null"
 
 
 def write_plan(tmp_path: Path, text: str = PLAN) -> Path:
@@ -39,14 +43,26 @@ def write_plan(tmp_path: Path, text: str = PLAN) -> Path:
     return p
 
 
-def row(arm, kind, conc, rounds, accept=None):
-    return dict(arm=arm, kind=kind, concurrency=conc, rounds_tok_s=rounds,
-                output_tok_s=sorted(rounds)[len(rounds) // 2], accept_length=accept)
+def row(arm, kind, conc, rates, accept=None, tokens=1000.0):
+    """A fixed-work row: every round served `tokens` output tokens at `rates` tok/s."""
+    return dict(arm=arm, kind=kind, concurrency=conc, rounds_tok_s=list(rates),
+                rounds_wall_s=[tokens / r for r in rates], requests=8,
+                output_tok_s=sorted(rates)[len(rates) // 2], accept_length=accept)
 
 
-def slice_result(sid, device, rows, arms=("plain", "dflash", "ddtree-auto"), failures=None):
-    return dict(meta=dict(slice=sid, device=device, date="2026-12-07", arms=list(arms),
-                          phase=None), rows=rows, failures=failures or {})
+def old_row(arm, kind, conc, rates, accept=None):
+    """A row of the slices committed before fixed work and nulls: tok/s per round only."""
+    return dict(arm=arm, kind=kind, concurrency=conc, rounds_tok_s=list(rates),
+                output_tok_s=sorted(rates)[len(rates) // 2], accept_length=accept)
+
+
+def slice_result(sid, device, rows, arms=("plain", "dflash", "ddtree-auto"), failures=None,
+                 null="ddtree-auto"):
+    meta = dict(slice=sid, device=device, date="2026-12-07", phase=None, commit="abc1234",
+                arms=list(arms) + ([f"{null}-null"] if null else []))
+    if null:
+        meta["null"] = dict(arm=null, twin=f"{null}-null")
+    return dict(meta=meta, rows=rows, failures=failures or {})
 
 
 def commit(results: Path, res: dict, name: str) -> None:
@@ -55,101 +71,174 @@ def commit(results: Path, res: dict, name: str) -> None:
     (folder / evidence.RESULT_FILE).write_text(json.dumps(res))
 
 
-def json_cells(conc, dd=(110, 120), df=(100, 100), pl=(90, 100)):
-    return [row("plain", "json", conc, list(pl)), row("dflash", "json", conc, list(df), 3.0),
-            row("ddtree-auto", "json", conc, list(dd), 4.0),
+def json_cells(conc, dd=(110, 120), df=(100, 100), pl=(90, 100), null=1.0):
+    """One concurrency's json and none cells; the null's twin served `null` times slower."""
+    return [row("plain", "json", conc, pl), row("dflash", "json", conc, df, 3.0),
+            row("ddtree-auto", "json", conc, dd, 4.0),
+            row(TWIN, "json", conc, [x / null for x in dd], 4.0),
             row("plain", "none", conc, [200, 200]), row("dflash", "none", conc, [150, 150], 3.5),
-            row("ddtree-auto", "none", conc, [160, 160], 4.5)]
+            row("ddtree-auto", "none", conc, [160, 160], 4.5),
+            row(TWIN, "none", conc, [160, 160], 4.5)]
+
+
+def pending(plan, results: Path) -> list[tuple[str, list[int]]]:
+    return [(s.id, lv) for s, lv in evidence.next_slices(
+        plan, evidence.counts(evidence.read_slices(results)))]
 
 
 def test_the_plan_is_read_and_bad_plans_are_refused_naming_the_problem(tmp_path):
     plan = evidence.load_plan(write_plan(tmp_path))
     assert [s.id for s in plan.slices] == ["g-json", "verdict", "e2e"]
     assert plan.arms["ddtree-auto"].env == {"SGLANG_DDTREE_GRAMMAR": "auto"}
+    assert plan.null_arm == "ddtree-auto"
     bad = {
         "unknown arm(s) ddtree-x": PLAN.replace("[plain, dflash, ddtree-auto], kinds",
                                                 "[plain, ddtree-x], kinds"),
         "unknown grammar kind(s) jsn": PLAN.replace("kinds: [json, none]", "kinds: [jsn]"),
         "needs the arm 'plain'": PLAN.replace("[plain, dflash, ddtree-auto], concurrency",
                                               "[dflash, ddtree-auto], concurrency"),
+        "slice verdict: needs the arm 'ddtree-auto' (the null serves it twice)": PLAN.replace(
+            "[plain, dflash, ddtree-auto], concurrency", "[plain, dflash], concurrency"),
+        "null_arm: unknown arm 'ddtree-x'; accepted: plain, dflash, ddtree-auto": PLAN.replace(
+            "null_arm: ddtree-auto", "null_arm: ddtree-x"),
         "SGLANG_DDTREE_GRAMMAR": PLAN.replace("GRAMMAR: auto", "GRAMMAR: fast"),
-        "a phase slice takes no arms": PLAN.replace("phase: e2e,", "phase: e2e, arms: [plain],"),
+        "a phase slice takes no arms and no null": PLAN.replace("phase: e2e,",
+                                                                "phase: e2e, arms: [plain],"),
         "unknown key": PLAN.replace("rounds: 2", "rounds: 2\nround: 3"),
         "not valid YAML": PLAN.replace("slices:", "slices: {"),
     }
     for needle, text in bad.items():
-        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
             evidence.load_plan(write_plan(tmp_path, text))
     with pytest.raises(ConfigError, match="not found"):
         evidence.load_plan(tmp_path / "missing.yaml")
 
 
-def test_the_next_call_runs_what_lacks_results_and_continues_where_the_last_stopped(tmp_path):
+def test_the_next_call_runs_what_lacks_counted_results_and_continues_where_the_last_stopped(
+        tmp_path):
     plan = evidence.load_plan(write_plan(tmp_path))
     results = tmp_path / "results"
-    todo = evidence.next_slices(plan, evidence.counts(evidence.read_slices(results)))
-    assert [(s.id, lv) for s, lv in todo] == [("g-json", [1, 16]), ("verdict", [1, 64]),
-                                              ("e2e", [0])]
+    assert pending(plan, results) == [("g-json", [1, 16]), ("verdict", [1, 64]), ("e2e", [0])]
     # a slice cut short after c = 1: only c = 16 is still short of its first result
     commit(results, slice_result("g-json", "NVIDIA H100 80GB HBM3", json_cells(1)), "a")
-    todo = evidence.next_slices(plan, evidence.counts(evidence.read_slices(results)))
-    assert todo[0][0].id == "g-json" and todo[0][1] == [1, 16]  # c = 1 has 1 of 2
+    assert pending(plan, results)[0] == ("g-json", [1, 16])  # c = 1 has 1 of 2
     commit(results, slice_result("g-json", "NVIDIA H200", json_cells(1) + json_cells(16)), "b")
     commit(results, slice_result("g-json", "NVIDIA H100 80GB HBM3", json_cells(16)), "c")
-    todo = evidence.next_slices(plan, evidence.counts(evidence.read_slices(results)))
-    assert [s.id for s, _ in todo] == ["verdict", "e2e"]  # every g-json cell has 2
+    assert [sid for sid, _ in pending(plan, results)] == ["verdict", "e2e"]
     # a cell where an arm is missing (its server failed) does not count
     commit(results, slice_result("verdict", "H100", [
-        row("plain", "none", 1, [1, 1]), row("dflash", "none", 1, [1, 1])],
-        failures={"ddtree-auto": "startup failed"}), "a")
-    assert evidence.next_slices(plan, evidence.counts(evidence.read_slices(results)))[0][1] \
-        == [1, 64]
+        row("plain", "none", 1, [1, 1]), row("dflash", "none", 1, [1, 1]),
+        row(TWIN, "none", 1, [1, 1])], failures={"ddtree-auto": "startup failed"}), "a")
+    assert pending(plan, results)[0] == ("verdict", [1, 64])
+    # nor a noisy one (its null 1.08), nor one without a null (an older slice): shown, never
+    # counted
+    commit(results, slice_result("verdict", "H100", [
+        row("plain", "none", 1, [100, 100]), row("dflash", "none", 1, [100, 100]),
+        row("ddtree-auto", "none", 1, [108, 108]), row(TWIN, "none", 1, [100, 100])]), "b")
+    commit(results, slice_result("verdict", "H100", [
+        old_row("plain", "none", 1, [100, 100]), old_row("dflash", "none", 1, [100, 100]),
+        old_row("ddtree-auto", "none", 1, [110, 110])], null=None), "c")
+    assert pending(plan, results)[0] == ("verdict", [1, 64])
+    have = evidence.counts(evidence.read_slices(results))
+    assert ("verdict", "none", 1) not in have
     # a phase counts once it passed
     e2e = dict(meta=dict(slice="e2e", phase="e2e", device="H100", date="d", arms=[]), rc=1)
     commit(results, e2e, "a")
     commit(results, dict(e2e, rc=0), "b")
     commit(results, dict(e2e, rc=0), "c")
-    assert [s.id for s, _ in evidence.next_slices(
-        plan, evidence.counts(evidence.read_slices(results)))] == ["verdict"]
+    assert [sid for sid, _ in pending(plan, results)] == ["verdict"]
 
 
-def test_slices_combine_through_their_own_ratios_never_absolute_rates(tmp_path):
+def test_counted_slices_combine_through_their_own_time_ratios_with_their_nulls(tmp_path):
     plan = evidence.load_plan(write_plan(tmp_path))
     results = tmp_path / "results"
     # two cards, very different absolute rates, the same ratios inside each slice
-    commit(results, slice_result("g-json", "NVIDIA H100", json_cells(1)), "a")
+    commit(results, slice_result("g-json", "NVIDIA H100", json_cells(1, null=1.01)), "a")
     commit(results, slice_result("g-json", "NVIDIA H200", json_cells(
-        1, dd=(330, 390), df=(300, 300), pl=(270, 300))), "b")
+        1, dd=(330, 390), df=(300, 300), pl=(270, 300), null=0.98)), "b")
+    # a third slice whose null is off by 7%: its 2.0 must not move the combined ratio
+    commit(results, slice_result("g-json", "NVIDIA H100", json_cells(
+        1, dd=(200, 200), null=1.07)), "c")
     cells = {(e["kind"], e["arm"]): e for e in evidence.combined_cells(
         plan, evidence.read_slices(results))}
     auto = cells[("json", "ddtree-auto")]
-    # per slice: median of paired round ratios (110/100, 120/100) = 1.15; (1.1, 1.3) = 1.2
-    assert auto["x_dflash"] == [1.15, 1.2]
+    # per slice: median of the paired rounds' time ratios (100/110 s ... ) = 1.15; 1.2
+    assert auto["x_dflash"] == [1.15, 1.2] and auto["nulls"] == [1.01, 0.98]
     assert auto["x_plain"] == [1.211, 1.261]  # (110/90, 120/100); (330/270, 390/300)
     # the tax: the median round's tok/s with the grammar / without, same slice's servers
     assert auto["tax"] == [0.75, 2.438] and auto["tax_dflash"] == [0.667, 2.0]
     assert auto["accept"] == [4.0, 4.0] and auto["accept_dflash"] == [3.0, 3.0]
     assert auto["cards"] == ["NVIDIA H100", "NVIDIA H200"]
     assert cells[("none", "ddtree-auto")]["tax"] == []  # no tax without a grammar
+    assert ("json", TWIN) not in cells  # the null's twin is the null, not an arm
     md = evidence.report_markdown(plan, evidence.read_slices(results))
     line = next(x for x in md.splitlines() if x.startswith("| g-json | json | 1 | ddtree-auto"))
-    assert "| 1.17 [1.15-1.20] | 1.24 [1.21-1.26] |" in line and "| 2 | H100, H200 |" in line
-    assert "[1](g-json/a/) [2](g-json/b/)" in line
-    assert "Pending (2 results per cell wanted): g-json (item 1) at c = 16; verdict" in md
+    assert "| 1.17 [1.15-1.20] | 1.24 [1.21-1.26] |" in line
+    assert "| 2 | 1.010, 0.980 | H100, H200 |" in line
+    assert "[1](g-json/a/) [2](g-json/b/)" in line and "g-json/c" not in line
+    # counted per cell: slice c's none cell had a quiet null and counts, its json cell not
+    assert "| g-json | none | 1 | ddtree-auto |" in md
+    left_out = [x for x in md.splitlines() if "g-json/c/" in x and "noisy" in x]
+    assert len(left_out) == 2  # dflash and ddtree-auto, both measured in that noisy cell
+    assert left_out[1].startswith("| g-json | json | 1 | ddtree-auto | 2.00 |")
+    assert "| 1.070 | noisy: null 1.070 outside 0.95-1.05 |" in left_out[1]
+    assert "Pending (2 counted results per cell wanted): g-json (item 1) at c = 16; verdict" \
+        in md
     png = evidence.plot(plan, evidence.read_slices(results), tmp_path / "e.png")
     assert png and png.stat().st_size > 1000
+
+
+def test_a_slice_reports_its_null_beside_its_ratios():
+    """slice.md: the null per cell beside the time ratios, the worst one in the header, noisy
+    cells named; slice.json's null summary says the same."""
+    rows = json_cells(1, null=1.02)[:4] + json_cells(16)[4:7] + \
+        [row(TWIN, "none", 16, [160 / 0.9, 160 / 0.9])]
+    summary = slices.null_summary(rows, "ddtree-auto")
+    assert summary["cells"]["json@1"]["median"] == 1.02
+    assert summary["worst"] == 0.9 and summary["noisy"] == ["none@16"]
+    res = dict(slice_result("g-json", "NVIDIA H100", rows), null=summary, greedy_vs_plain={})
+    res["meta"].update(command="c", max_new_tokens=128, rounds=2, seconds=6)
+    md = slices.markdown(res)
+    assert "worst cell 0.9; **noisy (outside 0.95-1.05): none@16** - those cells do not count" \
+        in md
+    json_line = next(x for x in md.splitlines() if x.startswith("| json | 1 |"))
+    assert "| 1.020 [1.020-1.020] | **1.15** [1.10-1.20] |" in json_line
+    assert "fixed work: every arm of a cell serves the same request list" in md
+    assert "0.900 [0.900-0.900] **noisy**" in md
+
+
+def test_the_report_lists_every_profile_with_its_commit(tmp_path):
+    """A profile phase's results (bench/profile.py tables under its outputs) become one row per
+    arm@batch: span, GPU busy / idle, launches per step, so a profile before a rebuild of the
+    step and one after sit side by side."""
+    plan = evidence.load_plan(write_plan(tmp_path))
+    table = dict(span_ms=4.1, busy_ms=2.5, idle_ms=1.6, launches=dict(
+        recorded=True, eager=37.0, graph=2.0, memcpy=5.0, memset=1.0))
+    res = dict(meta=dict(slice="profile-testbed", phase="profile", device="NVIDIA H100",
+                         date="d", commit="c83c298", arms=[]), rc=0,
+               outputs={"profile/results.json": {"profiles": {
+                   "ddtree-default@64": table,
+                   "dflash@64": dict(table, launches=dict(recorded=False))}}})
+    commit(tmp_path / "r", res, "a")
+    md = evidence.report_markdown(plan, evidence.read_slices(tmp_path / "r"))
+    assert "| profile-testbed | c83c298 | H100 | ddtree-default@64 | 4.1 | 2.5 | 1.6 | 37.0 | " \
+           "2.0 | 5.0 / 1.0 | [profile-testbed/a](profile-testbed/a/) |" in md
+    assert "| dflash@64 | 4.1 | 2.5 | 1.6 | - | - | - |" in md
 
 
 def test_estimates_stamps_and_the_serving_config(tmp_path):
     plan = evidence.load_plan(write_plan(tmp_path))
     g, v, e2e = plan.slices
-    # 3 arms x 2 rounds x (4 s + 1.5 s) per cell, 2 kinds x 2 levels, + startup 200
-    assert evidence.estimate_seconds(plan, g, [1, 16]) == pytest.approx(200 + 33 * 4)
+    # 3 arms + the null's twin x (2 rounds x (4 s + 1.5 s) + a 1.5 s probe) per cell,
+    # 2 kinds x 2 levels, + startup 200
+    assert evidence.estimate_seconds(plan, g, [1, 16]) == pytest.approx(200 + 4 * 12.5 * 4)
     assert evidence.estimate_seconds(plan, e2e, [0]) == 400
     cfg = evidence.slice_config(plan, v, ROOT, [64])
-    assert cfg.concurrency == [64] and cfg.min_cell_seconds == 8 and cfg.repeats == 2
-    assert cfg.interleave and cfg.warmup_per_cell and cfg.startup_group == 3
-    assert [a.name for a in cfg.arms] == ["plain", "dflash", "ddtree-auto"]
+    assert cfg.concurrency == [64] and cfg.cell_seconds == 8 and cfg.repeats == 2
+    assert cfg.interleave and cfg.warmup_per_cell and cfg.startup_group == 4
+    assert not cfg.min_cell_seconds and not cfg.min_cell_requests  # fixed work, not a time
+    assert [a.name for a in cfg.arms] == ["plain", "dflash", "ddtree-auto", TWIN]
+    assert cfg.arms[3].env == cfg.arms[2].env  # the same server, twice
     assert evidence.stamp("2026-12-07", "NVIDIA H100 80GB HBM3", []) == "2026-12-07_h10080gbhbm3_1"
     assert evidence.stamp("2026-12-07", "NVIDIA H200", ["2026-12-07_h200_1"]) == \
         "2026-12-07_h200_2"
@@ -174,62 +263,112 @@ def test_adopt_files_returned_slices_and_refuses_to_overwrite(tmp_path, capsys):
         capsys.readouterr().err
 
 
-def test_the_shipped_plan_is_valid_and_every_phase_exists_in_gpu_run():
+def test_the_shipped_plan_is_valid_and_every_phase_and_config_exists():
     plan = evidence.load_plan(ROOT / "configs" / "evidence.yaml")
     script = (ROOT / "scripts" / "gpu_run.sh").read_text()
     for s in plan.slices:
         if s.phase:
             assert f"\n  {s.phase})" in script
-        else:  # every serving slice's first level fits one call with a cold start
+            if "CONFIG" in s.env:  # the phase's config loads, and names the arms it picks
+                cfg = load_config(ROOT / s.env["CONFIG"])
+                names = [a.name for a in (run.cost_arms(cfg) if cfg.cost_mode.enabled
+                                          else cfg.arms)]
+                assert set(s.env.get("ARMS", ",".join(names)).split(",")) <= set(names)
+        else:  # every serving slice serves the shipped defaults twice and its first level fits
+            assert evidence.null_of(plan, s) == "ddtree-default" and "ddtree-default" in s.arms
             assert evidence.estimate_seconds(plan, s, s.concurrency[:1]) < plan.call_seconds
     assert "evidence)" in script
+    profiles = {s.id: s for s in plan.slices if s.phase == "profile"}
+    assert set(profiles) == {"profile-testbed", "profile-8b"}
+    testbed = load_config(ROOT / profiles["profile-testbed"].env["CONFIG"])
+    assert [a.name for a in testbed.arms] == ["dflash", "ddtree-default", "ddtree-b15"]
+    assert testbed.profile.batches == [1, 64] and testbed.profile.launches
+    assert run.arm_env(testbed.arms[2]) == {"SGLANG_DDTREE_BUDGETS": "off"}
+    qwen = load_config(ROOT / profiles["profile-8b"].env["CONFIG"])
+    assert qwen.cost_mode.enabled and qwen.profile.batches == [1, 64] and qwen.profile.launches
+    assert profiles["profile-8b"].env["ARMS"] == "dflash,ddtree-default,ddtree-b15"
+
+
+def test_the_committed_slices_without_a_null_are_shown_but_do_not_count():
+    """The slices adopted before nulls (2026-12-07, H100, commit c83c298): the phases count,
+    the grammar slice's cells are listed as not counted and stay pending."""
+    plan = evidence.load_plan(ROOT / "configs" / "evidence.yaml")
+    found = evidence.read_slices(ROOT / "benchmarks" / "results" / "evidence")
+    grammar = next(r for r in found if r["meta"]["slice"] == "grammar-json_bounded")
+    assert evidence.cells_of(grammar) and not evidence.counted_cells(grammar)
+    have = evidence.counts(found)
+    assert have[("e2e", "phase", 0)] == 1 and have[("e2e-page16", "phase", 0)] == 1
+    todo = dict((s.id, lv) for s, lv in evidence.next_slices(plan, have))
+    assert todo["grammar-json_bounded"] == [1, 16, 64] and todo["e2e"] == [0]
+    md = evidence.report_markdown(plan, found)
+    assert "| grammar-json_bounded | json_bounded | 16 | ddtree-auto | 1.62 | 0.73 | - | no " \
+           "null |" in md
 
 
 def test_a_call_runs_the_next_slice_against_stand_in_servers(tmp_path, monkeypatch, capsys):
     """The runner end to end with the stand-in server (tests/fake_sglang_server.py): a call
-    without the time for a slice's first level starts nothing; one with time runs every level,
-    writes slice.json / slice.md / logs.tgz; adopted, the next call's list starts past it."""
+    without the time for a slice's first level starts nothing; one with time runs every level
+    on fixed work with the null's twin beside, logs one line per measurement and per cell (no
+    progress bars), writes slice.json / slice.md / logs.tgz; adopted, the next call's list
+    starts past it."""
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests'}:{ROOT / 'src'}")
     plan_path = write_plan(tmp_path, PLAN.replace("rounds: 2", "rounds: 1").replace(
         "arms: [plain, dflash, ddtree-auto], kinds", "arms: [plain, ddtree-auto], kinds").replace(
-        "\nseconds: 4\n", "\nseconds: 0.3\nstartup_seconds: 5"
-                                                  "\nlauncher_module: fake_sglang_server\n"))
+        "\nseconds: 4\n", "\nseconds: 0.1\nstartup_seconds: 5"
+                          "\nlauncher_module: fake_sglang_server\n"))
     results, out = tmp_path / "results", tmp_path / "out"
     args = ["--plan", str(plan_path), "--results", str(results)]
-    # a level of g-json needs ~5 + 2 kinds x 2 arms x 1 round x 1.8 s: not in 8 s
+    # a level of g-json needs ~5 + 2 kinds x 3 servers x (1 round x 1.6 s + 1.5 s): not in 8 s
     assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "8",
                                      "--only", "g-json"]) == 0
     assert "skip g-json" in capsys.readouterr().out and not out.exists()
     assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "300",
                                      "--only", "g-json"]) == 0
+    log = capsys.readouterr()
     folder = next((out / "g-json").iterdir())
     res = json.loads((folder / "slice.json").read_text())
     assert evidence.cells_of(res) == {("json", 1), ("none", 1), ("json", 16), ("none", 16)}
     assert res["cells_skipped"] == [] and res["failures"] == {}
+    assert res["meta"]["arms"] == ["plain", "ddtree-auto", TWIN]
+    assert res["meta"]["null"] == dict(arm="ddtree-auto", twin=TWIN)
+    assert set(res["null"]["cells"]) == {"json@1", "none@1", "json@16", "none@16"}
+    for kind, conc in evidence.cells_of(res):  # one request list per cell, every arm
+        cell = evidence.cell_rows(res, kind, conc)
+        assert len({r["requests"] for r in cell}) == 1 and cell[0]["requests"] >= conc
+        assert len({tuple(r["rounds_output_tokens"]) for r in cell}) == 1
     assert res["greedy_vs_plain"]["json"]["ddtree-auto"]["identical"] > 0
     assert sorted(p.name for p in folder.iterdir()) == ["logs.tgz", "slice.json", "slice.md"]
-    assert "evidence call: 1 slice(s)" in capsys.readouterr().out
+    assert "Null: `ddtree-auto` against a second server of itself" in \
+        (folder / "slice.md").read_text()
+    rounds = [x for x in log.out.splitlines() if " round 1/1 " in x]
+    assert len(rounds) == 4 * 3  # 4 cells x 3 servers
+    assert all(re.search(r" c=\d+ +round 1/1 +\d+ requests +[\d.]+ s +[\d,]+ tok/s$", x)
+               for x in rounds)
+    assert len([x for x in log.out.splitlines() if re.match(r"cell \w+@\d+: \d+ requests; "
+                                                            r"null \d\.\d{3}", x)]) == 4
+    assert "\r" not in log.out + log.err and "it/s" not in log.out + log.err
+    assert "evidence call: 1 slice(s)" in log.out
     assert evidence_cli.main(args + ["adopt", str(out)]) == 0
     capsys.readouterr()
     assert evidence_cli.main(args + ["next"]) == 0
-    assert "g-json (item 1, c = 1, 16)" in capsys.readouterr().out  # 1 of 2 results per cell
+    assert "g-json (item 1, c = 1, 16)" in capsys.readouterr().out  # at most 1 of 2 per cell
 
 
 def test_a_slice_past_its_deadline_starts_no_cell(tmp_path, monkeypatch):
-    """measure_slice checks each cell's estimate (arms x rounds x (seconds + 1.5 s)) against
-    the deadline before starting it, and names the cells it left out."""
+    """measure_slice checks each cell's estimate (servers x (rounds x (seconds + 1.5 s) +
+    1.5 s)) against the deadline before starting it, and names the cells it left out."""
     import time
 
-    from ddtree_bench import slices
+    from ddtree_bench import cells
 
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests'}:{ROOT / 'src'}")
     plan = evidence.load_plan(write_plan(tmp_path, PLAN + "launcher_module: fake_sglang_server\n"))
     cfg = evidence.slice_config(plan, plan.slices[0], ROOT)
-    assert slices.cell_seconds(cfg, 3) == pytest.approx(3 * 2 * 5.5)
+    assert cells.cell_estimate(cfg, 4) == pytest.approx(4 * (2 * 5.5 + 1.5))
     results = dict(rows=[], greedy_vs_plain={}, failures={})
     slices.measure_slice(cfg, ["json", "none"], tmp_path, results, lambda: None,
-                         stop_at=time.monotonic() + 10)  # < one cell's 33 s
+                         stop_at=time.monotonic() + 10, null="ddtree-auto")  # < one cell's 50 s
     assert results["rows"] == [] and results["failures"] == {}
     assert results["cells_skipped"] == [dict(kind=k, concurrency=c) for c in (1, 16)
                                         for k in ("json", "none")]

@@ -84,16 +84,13 @@ class CostMode(_Strict):
     """Random-weight Qwen3-8B-shaped target + 8B-DFlash-b16-shaped drafter: per-step cost."""
 
     enabled: bool = False
+    ddtree_default: bool = Field(False, description="also measure DDTREE with its shipped "
+                                 "defaults (arm ddtree-default: no budget, the batch-aware choice)")
     batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
     budgets: list[int] = [16, 32, 64, 128, 256]
     prompt_len: int = 512
     new_tokens: int = 128
     workdir: str = "/tmp/ddtree_cost_models"
-    profile_batches: list[int] = Field([], description="batch sizes at which each arm's decode "
-                                       "steps are also profiled (torch profiler, kernel table)")
-    profile_steps: int = Field(20, ge=1, description="decode steps recorded per profile")
-    profile_new_tokens: int = Field(384, ge=16, description="tokens per request while profiling "
-                                    "(long enough that the batch stays full)")
     split_attention_budgets: list[int] = Field([], description="budgets also measured with the "
                                                "split verify attention (arm ddtree-b<B>-split)")
     kernel_attention_budgets: list[int] = Field([], description="budgets also measured with the "
@@ -120,10 +117,32 @@ class CostMode(_Strict):
             check_env(key, value)  # DDTreeConfigError is a ValueError: a config error
         return v
 
-    @field_validator("batch_sizes", "budgets", "profile_batches", "split_attention_budgets",
+    @field_validator("batch_sizes", "budgets", "split_attention_budgets",
                      "kernel_attention_budgets", "single_attention_budgets")
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError("every entry must be >= 1")
+        return v
+
+
+class Profile(_Strict):
+    """Per-step GPU profiles of every arm under a steady load of `batches[i]` requests, through
+    SGLang's /start_profile (bench/profile.py), in cost mode or on a serving config."""
+
+    batches: list[int] = Field([], description="batch sizes at which each arm's decode steps "
+                               "are profiled (none: no profile)")
+    steps: int = Field(20, ge=1, description="decode steps recorded per profile")
+    new_tokens: int = Field(384, ge=16, description="tokens per request while profiling "
+                            "(long enough that the batch stays full through the profiled steps)")
+    launches: bool = Field(True, description="a second profile per cell that records the host "
+                           "too (CPU activity), for the CUDA runtime calls: kernel launches "
+                           "outside CUDA graphs, graph replays, copies and sets per step; its "
+                           "timings are not used (recording the host slows the step)")
+
+    @field_validator("batches")
+    @classmethod
+    def _positive_batches(cls, v: list[int]) -> list[int]:
         if any(x < 1 for x in v):
             raise ValueError("every entry must be >= 1")
         return v
@@ -154,8 +173,12 @@ class BenchConfig(_Strict):
                                "measured one at a time (in rounds with interleave); > 1 needs "
                                "max_total_tokens")
     requests_per_level: int = Field(0, ge=0, description="0 = max(2 x concurrency, 8) per replica")
-    min_cell_seconds: float = Field(0.0, ge=0, description="sustained load: a cell runs at "
-                                    "least this long ...")
+    cell_seconds: Optional[float] = Field(None, gt=0, description="fixed work: every arm of a "
+                                          "cell serves the same request list, sized from a "
+                                          "probe so that a measurement takes about this long "
+                                          "(bench/cells.py: 4-8 s)")
+    min_cell_seconds: float = Field(0.0, ge=0, description="sustained load (arms measured one "
+                                    "after another only): a cell runs at least this long ...")
     min_cell_requests: int = Field(0, ge=0, description="... and sends at least this many "
                                    "requests (a count extends a cell, never ends it early; "
                                    "0 and 0 = one round of requests_per_level)")
@@ -168,14 +191,18 @@ class BenchConfig(_Strict):
                              "machine that drifts slows every arm alike; with warmup_per_cell "
                              "each measurement gets its own warm-up round")
     startup_timeout_s: float = 900
+    startup_seconds: float = Field(180, ge=0, description="a startup group's expected time to "
+                                   "healthy on a cold machine (kernel compilation, graph "
+                                   "capture): the plan's duration estimate only")
     launcher_module: str = Field("sglang.launch_server",
                                  description="module run with -m to start a server")
     cost_mode: CostMode = CostMode()
+    profile: Profile = Profile()
 
     @field_validator("concurrency")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
-        if not v or min(v) < 1:
+        if v and min(v) < 1:
             raise ValueError("concurrency levels must be >= 1")
         return sorted(set(v))
 
@@ -190,13 +217,30 @@ class BenchConfig(_Strict):
         if odd:
             raise ValueError(f"arms {odd}: their tp does not divide the {len(self.gpus)} gpus "
                              "into whole replicas")
+        if not self.concurrency and not self.profile.batches and not self.cost_mode.enabled:
+            raise ValueError("concurrency: at least one level is needed (or profile.batches for "
+                             "a profile-only run)")
+        self._check_cells()
         if self.startup_group > 1 and not self.max_total_tokens:
             raise ValueError("startup_group > 1 needs max_total_tokens (a fixed KV pool per server, "
                              "so servers starting together on one GPU do not starve), e.g. 262144")
         return self
 
 
-_SECTIONS = {"arms": Arm, "prompts": Prompts, "cost_mode": CostMode}
+    def _check_cells(self) -> None:
+        """Interleaved arms are compared on fixed work (cell_seconds or a request count), never
+        on a time-bounded load where a faster arm serves more, and other, requests."""
+        sustained = self.min_cell_seconds or self.min_cell_requests
+        if self.interleave and sustained:
+            raise ValueError("interleaved arms serve one fixed request list per cell: set "
+                             "cell_seconds (a measurement's time, 4-8 s) instead of "
+                             "min_cell_seconds / min_cell_requests")
+        if self.cell_seconds and sustained:
+            raise ValueError("cell_seconds (fixed work) and min_cell_seconds / "
+                             "min_cell_requests (sustained load) exclude each other")
+
+
+_SECTIONS = {"arms": Arm, "prompts": Prompts, "cost_mode": CostMode, "profile": Profile}
 
 
 def describe_errors(exc: ValidationError) -> str:

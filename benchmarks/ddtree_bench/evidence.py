@@ -2,12 +2,18 @@
 and cards (configs/evidence.yaml, `bash scripts/gpu_run.sh evidence`).
 
 A *slice* is one plan entry measured in one device call: every arm of its cells on one machine,
-interleaved, so its ratios (DDTREE / DFLASH, / plain, the grammar tax) are paired.  Its result
-lands in `<results>/<slice id>/<date>_<card>_<n>/slice.json`.  Each cell (slice id, grammar
-kind, concurrency) wants `slices_per_cell` committed results; the runner takes the plan's slices
-in order, runs the levels whose cells still lack results, and stops starting cells before its
-time limit, so a later call (on any card) continues where this one stopped.  Slices combine only
-through their ratios: absolute tok/s never leave their slice.
+interleaved, on fixed work (every arm serves the same request list), so its ratios (DDTREE /
+DFLASH, / plain, the grammar tax) are paired time ratios.  Every serving slice carries a measured
+null: its null arm (the shipped defaults, `ddtree-default`) runs on two servers started with the
+others, and their ratio in a cell is that cell's noise.  Its result lands in
+`<results>/<slice id>/<date>_<card>_<n>/slice.json`.
+
+Each cell (slice id, grammar kind, concurrency) wants `slices_per_cell` results that count: a
+slice's cell counts when every arm was measured there and its null lies within 0.95-1.05
+(slices.NULL_BAND); a slice without a null (older ones) is shown but never counts.  The runner
+takes the plan's slices in order, runs the levels whose cells still lack results, and stops
+starting cells before its time limit, so a later call (on any card) continues where this one
+stopped.  Slices combine only through their ratios: absolute tok/s never leave their slice.
 
 Slices of kind `phase` run a GPU check or profile of scripts/gpu_run.sh (e2e, features, cost,
 profile) as one cell; their result is the phase's files and exit code.
@@ -44,8 +50,11 @@ class SlicePlan(_Strict):
     arms: list[str] = []
     kinds: list[str] = ["none"]
     concurrency: list[int] = [1, 16, 64]
-    seconds: Optional[float] = Field(None, gt=0, description="sustained load per measurement")
+    seconds: Optional[float] = Field(None, gt=0, description="a measurement's time: the cell's "
+                                     "request list is sized so the slowest arm needs about this")
     rounds: Optional[int] = Field(None, ge=1)
+    null_arm: Optional[str] = Field(None, description="the arm served twice for the null "
+                                    "(default: the plan's)")
     phase: Optional[Literal[PHASES]] = None
     env: dict[str, str] = Field({}, description="environment of a phase (its knobs)")
     phase_seconds: float = Field(300, gt=0, description="a phase's expected run time")
@@ -54,8 +63,8 @@ class SlicePlan(_Strict):
     def _shape(self) -> "SlicePlan":
         if self.phase is None and not self.arms:
             raise ValueError(f"slice {self.id}: serving slices need arms (or give a phase)")
-        if self.phase is not None and self.arms:
-            raise ValueError(f"slice {self.id}: a phase slice takes no arms")
+        if self.phase is not None and (self.arms or self.null_arm):
+            raise ValueError(f"slice {self.id}: a phase slice takes no arms and no null")
         kind_names(",".join(self.kinds))  # ValueError naming the accepted kinds
         if min(self.concurrency, default=0) < 1:
             raise ValueError(f"slice {self.id}: concurrency levels must be >= 1")
@@ -63,13 +72,16 @@ class SlicePlan(_Strict):
 
 
 class EvidencePlan(_Strict):
-    slices_per_cell: int = Field(2, ge=1, description="committed results each cell wants")
+    slices_per_cell: int = Field(2, ge=1, description="counted results each cell wants")
     call_seconds: float = Field(540, gt=60, description="one device call, startup included")
     startup_seconds: float = Field(200, ge=0, description="a slice's servers, cold machine")
-    seconds: float = Field(4, gt=0, description="default sustained load per measurement")
+    seconds: float = Field(6, gt=0, description="default time of a measurement (fixed work: "
+                           "the slowest arm's, 4-8 s)")
     rounds: int = Field(2, ge=1, description="default interleaved rounds per cell")
+    null_arm: str = Field("ddtree-default", description="the arm every serving slice serves "
+                          "twice (two servers): the measured null")
     max_new_tokens: int = Field(128, ge=2)
-    mem_fraction_static: float = Field(0.25, gt=0, lt=1)
+    mem_fraction_static: float = Field(0.2, gt=0, lt=1)
     launcher_module: str = Field("sglang.launch_server", description="module run with -m to "
                                  "start a server (tests use a stand-in)")
     arms: dict[str, Arm] = Field(description="the arms slices name, by name")
@@ -80,6 +92,9 @@ class EvidencePlan(_Strict):
         ids = [s.id for s in self.slices]
         if len(set(ids)) != len(ids):
             raise ValueError(f"slice ids must be unique; got {ids}")
+        if self.null_arm not in self.arms:
+            raise ValueError(f"null_arm: unknown arm {self.null_arm!r}; accepted: "
+                             f"{', '.join(self.arms)}")
         for s in self.slices:
             unknown = [a for a in s.arms if a not in self.arms]
             if unknown:
@@ -87,10 +102,18 @@ class EvidencePlan(_Strict):
                                  f"accepted: {', '.join(self.arms)}")
             if s.arms and "plain" not in s.arms:
                 raise ValueError(f"slice {s.id}: needs the arm 'plain' (the greedy reference)")
+            if s.arms and null_of(self, s) not in s.arms:
+                raise ValueError(f"slice {s.id}: needs the arm {null_of(self, s)!r} (the null "
+                                 "serves it twice); add it to arms")
         for name, arm in self.arms.items():
             if arm.name != name:
                 raise ValueError(f"arm {name!r}: its name field says {arm.name!r}")
         return self
+
+
+def null_of(plan: EvidencePlan, s: SlicePlan) -> str:
+    """The arm a serving slice serves twice."""
+    return s.null_arm or plan.null_arm
 
 
 def load_plan(path: str | Path) -> EvidencePlan:
@@ -112,18 +135,27 @@ def load_plan(path: str | Path) -> EvidencePlan:
         raise ConfigError(f"evidence plan {p}: {describe_errors(exc)}") from None
 
 
+def slice_arms(plan: EvidencePlan, s: SlicePlan) -> list[Arm]:
+    """A serving slice's servers: its arms, then the null's twin (`<null>-null`)."""
+    from ddtree_bench.slices import null_twin
+
+    return [plan.arms[a] for a in s.arms] + [null_twin(plan.arms[null_of(plan, s)])]
+
+
 def slice_config(plan: EvidencePlan, s: SlicePlan, root: Path,
                  levels: list[int] | None = None) -> BenchConfig:
-    """The serving config of a slice (testbed pair, all arms started together, interleaved)."""
+    """The serving config of a slice (testbed pair, all arms and the null's twin started
+    together, interleaved, fixed work)."""
+    arms = slice_arms(plan, s)
     return BenchConfig(
-        name=f"evidence-{s.id}", arms=[plan.arms[a] for a in s.arms],
-        concurrency=levels or s.concurrency, endpoint="native",
-        mem_fraction_static=plan.mem_fraction_static, cuda_graph_max_bs=max(64, *s.concurrency),
-        max_total_tokens=262144, startup_group=len(s.arms),
+        name=f"evidence-{s.id}", arms=arms, concurrency=levels or s.concurrency,
+        endpoint="native", mem_fraction_static=plan.mem_fraction_static,
+        cuda_graph_max_bs=max(64, *s.concurrency), max_total_tokens=262144,
+        startup_group=len(arms),
         prompts=dict(source=str(root / "testbed" / "prompts.jsonl"), limit=32),
         model_path=str(root / "testbed" / "target"),
         draft_model_path=str(root / "testbed" / "drafter"), max_new_tokens=plan.max_new_tokens,
-        temperature=0.0, min_cell_seconds=s.seconds or plan.seconds,
+        temperature=0.0, cell_seconds=s.seconds or plan.seconds,
         launcher_module=plan.launcher_module, startup_timeout_s=600,
         repeats=s.rounds or plan.rounds, warmup_per_cell=True, interleave=True)
 
@@ -141,6 +173,11 @@ def read_slices(results: Path) -> list[dict]:
     return found
 
 
+def slice_null(result: dict) -> str | None:
+    """The arm a serving slice served twice, None for slices without a null."""
+    return (result["meta"].get("null") or {}).get("arm")
+
+
 def cells_of(result: dict) -> set[tuple[str, int]]:
     """The (kind, concurrency) cells a slice result holds: every arm measured there."""
     if result["meta"].get("phase"):
@@ -153,11 +190,39 @@ def cells_of(result: dict) -> set[tuple[str, int]]:
     return {c for c, have in by.items() if have >= arms and "plain" in have}
 
 
+def cell_rows(result: dict, kind: str, conc: int) -> list[dict]:
+    return [r for r in result["rows"] if (r["kind"], r["concurrency"]) == (kind, conc)]
+
+
+def why_not_counted(result: dict, kind: str, conc: int) -> str | None:
+    """Why a measured cell of a serving slice does not count (None: it counts): no null in
+    the slice, its twin not measured, or its null outside the band."""
+    from ddtree_bench.slices import NULL_BAND, null_ratio
+
+    null = slice_null(result)
+    if null is None:
+        return "no null"
+    q = null_ratio(cell_rows(result, kind, conc), null)
+    if q is None:
+        return "null not measured"
+    if not q["quiet"]:
+        return f"noisy: null {q['median']:.3f} outside {NULL_BAND[0]}-{NULL_BAND[1]}"
+    return None
+
+
+def counted_cells(result: dict) -> set[tuple[str, int]]:
+    """The cells of a slice result that count toward the plan: a passed phase; a serving cell
+    with every arm measured and its null within the band."""
+    if result["meta"].get("phase"):
+        return cells_of(result)
+    return {c for c in cells_of(result) if why_not_counted(result, *c) is None}
+
+
 def counts(results: list[dict]) -> dict[tuple[str, str, int], int]:
-    """Committed results per cell: (slice id, kind, concurrency) -> count."""
+    """Counted results per cell: (slice id, kind, concurrency) -> count."""
     n: dict[tuple[str, str, int], int] = {}
     for r in results:
-        for kind, conc in cells_of(r):
+        for kind, conc in counted_cells(r):
             key = (r["meta"]["slice"], kind, conc)
             n[key] = n.get(key, 0) + 1
     return n
@@ -178,13 +243,14 @@ def next_slices(plan: EvidencePlan, have: dict) -> list[tuple[SlicePlan, list[in
 
 
 def estimate_seconds(plan: EvidencePlan, s: SlicePlan, levels: list[int]) -> float:
-    """A slice's expected wall time on a cold machine: startup plus every cell."""
+    """A slice's expected wall time on a cold machine: startup plus every cell (each arm and
+    the null's twin: a probe, then every round at the slowest arm's time; an upper bound)."""
     if s.phase:
         return s.phase_seconds
-    from ddtree_bench.slices import WARMUP_S
+    from ddtree_bench.cells import cell_estimate
 
-    per_cell = len(s.arms) * (s.rounds or plan.rounds) * ((s.seconds or plan.seconds) + WARMUP_S)
-    return plan.startup_seconds + per_cell * len(levels) * len(s.kinds)
+    cfg = slice_config(plan, s, Path("."), levels)
+    return plan.startup_seconds + cell_estimate(cfg, len(cfg.arms)) * len(levels) * len(s.kinds)
 
 
 def stamp(date: str, device: str, taken: list[str]) -> str:
@@ -198,44 +264,61 @@ def stamp(date: str, device: str, taken: list[str]) -> str:
 
 # -- the combined report -----------------------------------------------------------------------
 
-def combined_cells(plan: EvidencePlan, results: list[dict]) -> list[dict]:
-    """Per (slice, kind, concurrency, arm): the ratios measured inside each slice, combined:
-    median of the slices' median round-ratios with their range, the slice count, the accept
-    lengths and the cards.  Ratios are to DFLASH ('dflash') and to plain, and the grammar tax
-    (with grammar / without, same servers) beside DFLASH's."""
-    from ddtree_bench.slices import grammar_tax, ratio_to
+def slice_cells(results: list[dict]) -> list[dict]:
+    """One record per (slice result, kind, concurrency, arm other than plain and the null's
+    twin): the ratios measured inside that slice (to DFLASH, to plain: time ratios; the grammar
+    tax beside DFLASH's), accept lengths, the cell's null, and whether it counts (and why
+    not)."""
+    from ddtree_bench.slices import grammar_tax, is_twin, null_ratio, ratio_to
 
-    acc: dict[tuple, dict] = {}
+    out = []
     for res in results:
         if res["meta"].get("phase"):
             continue
-        sid, rows = res["meta"]["slice"], res["rows"]
+        sid, rows, null = res["meta"]["slice"], res["rows"], slice_null(res)
         for kind, conc in sorted(cells_of(res)):
-            cell = [r for r in rows if (r["kind"], r["concurrency"]) == (kind, conc)]
+            cell = cell_rows(res, kind, conc)
+            q = null_ratio(cell, null) if null else None
+            why = why_not_counted(res, kind, conc)
+            d = next((x for x in cell if x["arm"] == "dflash"), None)
             for r in cell:
-                if r["arm"] == "plain":
+                if r["arm"] == "plain" or is_twin(r["arm"]):
                     continue
-                e = acc.setdefault((sid, kind, conc, r["arm"]), dict(
-                    slice=sid, kind=kind, concurrency=conc, arm=r["arm"], x_dflash=[],
-                    x_plain=[], tax=[], tax_dflash=[], accept=[], accept_dflash=[], cards=[],
-                    folders=[]))
+                rec = dict(slice=sid, kind=kind, concurrency=conc, arm=r["arm"],
+                           folder=res["folder"], card=res["meta"]["device"],
+                           null=q["median"] if q else None, counts=why is None, why=why,
+                           accept=r.get("accept_length"),
+                           accept_dflash=d.get("accept_length") if d else None,
+                           tax=None, tax_dflash=None)
                 for key, base in (("x_dflash", "dflash"), ("x_plain", "plain")):
-                    q = ratio_to(cell, r["arm"], base)
-                    if q and r["arm"] != base:
-                        e[key].append(q["median"])
+                    ratio = ratio_to(cell, r["arm"], base) if r["arm"] != base else None
+                    rec[key] = ratio["median"] if ratio else None
                 if kind != "none":
                     t, td = grammar_tax(rows, r["arm"], kind, conc), grammar_tax(
                         rows, "dflash", kind, conc)
                     if t and td:
-                        e["tax"].append(round(t, 3))
-                        e["tax_dflash"].append(round(td, 3))
-                d = next((x for x in cell if x["arm"] == "dflash"), None)
-                if r.get("accept_length"):
-                    e["accept"].append(r["accept_length"])
-                if d and d.get("accept_length"):
-                    e["accept_dflash"].append(d["accept_length"])
-                e["cards"].append(res["meta"]["device"])
-                e["folders"].append(res["folder"])
+                        rec["tax"], rec["tax_dflash"] = round(t, 3), round(td, 3)
+                out.append(rec)
+    return out
+
+
+def combined_cells(plan: EvidencePlan, results: list[dict]) -> list[dict]:
+    """Per (slice, kind, concurrency, arm): the counted slices' ratios, in lists (their median
+    and range make the report's cell), with each slice's null, card and folder."""
+    acc: dict[tuple, dict] = {}
+    keys = ("x_dflash", "x_plain", "tax", "tax_dflash", "accept", "accept_dflash")
+    for rec in slice_cells(results):
+        if not rec["counts"]:
+            continue
+        e = acc.setdefault((rec["slice"], rec["kind"], rec["concurrency"], rec["arm"]), dict(
+            slice=rec["slice"], kind=rec["kind"], concurrency=rec["concurrency"],
+            arm=rec["arm"], nulls=[], cards=[], folders=[], **{k: [] for k in keys}))
+        for k in keys:
+            if rec[k] is not None:
+                e[k].append(rec[k])
+        e["nulls"].append(rec["null"])
+        e["cards"].append(rec["card"])
+        e["folders"].append(rec["folder"])
     return list(acc.values())
 
 
@@ -246,27 +329,56 @@ def _summary(xs: list[float]) -> str:
     return f"{med:.2f}" if len(xs) == 1 else f"{med:.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def report_markdown(plan: EvidencePlan, results: list[dict], link_prefix: str = "") -> str:
-    """The report over all committed slices: per cell the median ratio, its range over slices,
-    the slice count, accept lengths and cards; the phases' results; what is still pending."""
+    """The report over all committed slices: per cell the median ratio over the slices that
+    count, its range, their nulls, accept lengths and cards; the measured cells that do not
+    count and why; the phases' results and profiles; what is still pending."""
+    from ddtree_bench.slices import NULL_BAND
+
     have = counts(results)
     lines = ["# Evidence: every committed slice, combined", "",
              "Generated by `python benchmarks/evidence.py report` from the slices below "
-             "(configs/evidence.yaml). A ratio is measured inside one slice (paired interleaved "
-             "rounds, median of rounds); across slices the table gives the median of the slices' "
-             "ratios [min-max] and n slices. tax: tok/s with the grammar / without, same servers "
-             "(DFLASH's beside). accept: accept length, this arm / DFLASH.", "",
-             "| slice | kind | c | arm | x DFLASH | x plain | tax (DFLASH's) | accept (DFLASH's) "
-             "| n | cards | results |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for e in combined_cells(plan, results):
+             "(configs/evidence.yaml). Every arm of a cell serves the same requests (fixed "
+             "work); a ratio is measured inside one slice (paired interleaved rounds, median of "
+             "the per-round time ratios); across slices the table gives the median of the "
+             "slices' ratios [min-max] and n slices. A slice's cell counts only if its null "
+             f"(`{plan.null_arm}` against a second server of itself, same rounds) lies within "
+             f"{NULL_BAND[0]}-{NULL_BAND[1]}; nulls: each counted slice's, in order. tax: tok/s "
+             "with the grammar / without, same servers (DFLASH's beside). accept: accept "
+             "length, this arm / DFLASH.", ""]
+    combined = combined_cells(plan, results)
+    if combined:
+        lines += ["| slice | kind | c | arm | x DFLASH | x plain | tax (DFLASH's) | accept "
+                  "(DFLASH's) | n | nulls | cards | results |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines.append("No serving cell counts yet.")
+    for e in combined:
         tax = f"{_summary(e['tax'])} ({_summary(e['tax_dflash'])})" if e["tax"] else "-"
         accept = (f"{_summary(e['accept'])} ({_summary(e['accept_dflash'])})"
                   if e["accept"] else "-")
         cards = ", ".join(sorted(set(c.replace("NVIDIA ", "") for c in e["cards"])))
         links = " ".join(f"[{i + 1}]({link_prefix}{f}/)" for i, f in enumerate(e["folders"]))
+        nulls = ", ".join(f"{x:.3f}" for x in e["nulls"])
         lines.append(f"| {e['slice']} | {e['kind']} | {e['concurrency']} | {e['arm']} | "
                      f"{_summary(e['x_dflash'])} | {_summary(e['x_plain'])} | {tax} | {accept} "
-                     f"| {len(e['folders'])} | {cards} | {links} |")
+                     f"| {len(e['folders'])} | {nulls} | {cards} | {links} |")
+    left_out = [r for r in slice_cells(results) if not r["counts"]]
+    if left_out:
+        lines += ["", "Measured but not counted (a slice without a null, or a null outside "
+                  f"{NULL_BAND[0]}-{NULL_BAND[1]}); each slice's own ratios:", "",
+                  "| slice | kind | c | arm | x DFLASH | x plain | null | why | card | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in left_out:
+            lines.append(f"| {r['slice']} | {r['kind']} | {r['concurrency']} | {r['arm']} | "
+                         f"{_num(r['x_dflash'])} | {_num(r['x_plain'])} | "
+                         f"{_num(r['null'], '.3f')} | {r['why']} | "
+                         f"{r['card'].replace('NVIDIA ', '')} | "
+                         f"[{r['folder']}]({link_prefix}{r['folder']}/) |")
     phases = [r for r in results if r["meta"].get("phase")]
     if phases:
         lines += ["", "| phase slice | result | card | date | folder |", "|---|---|---|---|---|"]
@@ -274,34 +386,67 @@ def report_markdown(plan: EvidencePlan, results: list[dict], link_prefix: str = 
             lines.append(f"| {r['meta']['slice']} | {'passed' if r.get('rc') == 0 else 'failed'}"
                          f" (exit {r.get('rc')}) | {r['meta']['device']} | {r['meta']['date']} "
                          f"| [{r['folder']}]({link_prefix}{r['folder']}/) |")
+    lines += profile_lines(phases, link_prefix)
     pending = next_slices(plan, have)
-    lines += ["", f"Pending ({plan.slices_per_cell} results per cell wanted): " + (
+    lines += ["", f"Pending ({plan.slices_per_cell} counted results per cell wanted): " + (
         "; ".join(f"{s.id} (item {s.item}) at c = {', '.join(map(str, lv))}" if not s.phase
                   else f"{s.id} (item {s.item}, phase {s.phase})" for s, lv in pending)
         or "none") + "."]
     return "\n".join(lines) + "\n"
 
 
+def profile_lines(phases: list[dict], link_prefix: str = "") -> list[str]:
+    """The decode-step profiles of the phase slices (bench/profile.py), one row per arm@batch:
+    step span, GPU busy and idle inside it, and the host's launches per step."""
+    rows = [(r, cell, p) for r in phases for _, out in sorted(r.get("outputs", {}).items())
+            if isinstance(out, dict) for cell, p in (out.get("profiles") or {}).items()]
+    if not rows:
+        return []
+    lines = ["", "Decode-step profiles (per step, ms; launches per step from the host's CUDA "
+             "runtime calls: eager = kernels launched outside CUDA graphs, graphs = graph "
+             "replays):", "",
+             "| slice | commit | card | arm@batch | span | GPU busy | GPU idle | eager launches "
+             "| graph launches | memcpy / memset | result |", "|---|---|---|---|---|---|---|---|"
+             "---|---|---|"]
+    for r, cell, p in rows:
+        la = p.get("launches") or {}
+        launches = (f"{la['eager']} | {la['graph']} | {la['memcpy']} / {la['memset']}"
+                    if la.get("recorded") else "- | - | -")
+        lines.append(f"| {r['meta']['slice']} | {r['meta'].get('commit', '?')} | "
+                     f"{r['meta']['device'].replace('NVIDIA ', '')} | {cell} | {p['span_ms']} | "
+                     f"{p['busy_ms']} | {p['idle_ms']} | {launches} | "
+                     f"[{r['folder']}]({link_prefix}{r['folder']}/) |")
+    return lines
+
+
 def plot(plan: EvidencePlan, results: list[dict], path: Path) -> Path | None:
-    """DDTREE / DFLASH per cell and arm, median over slices with its range."""
+    """DDTREE / DFLASH per cell and arm: the counted slices' median with its range (filled),
+    and the measured cells that do not count (grey, hollow)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [e for e in combined_cells(plan, results) if e["x_dflash"] and e["arm"] != "dflash"]
-    if not rows:
+    recs = [r for r in slice_cells(results) if r["x_dflash"] is not None]
+    keys = list(dict.fromkeys((r["slice"], r["kind"], r["concurrency"], r["arm"]) for r in recs))
+    if not keys:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(rows)), 4.5))
-    labels = [f"{e['slice']}\n{e['kind']} c{e['concurrency']}\n{e['arm']}" for e in rows]
-    med = [statistics.median(e["x_dflash"]) for e in rows]
-    lo = [m - min(e["x_dflash"]) for m, e in zip(med, rows)]
-    hi = [max(e["x_dflash"]) - m for m, e in zip(med, rows)]
-    ax.errorbar(range(len(rows)), med, yerr=[lo, hi], fmt="o", capsize=3)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(keys)), 4.5))
+    for i, key in enumerate(keys):
+        mine = [r for r in recs if (r["slice"], r["kind"], r["concurrency"], r["arm"]) == key]
+        counted = [r["x_dflash"] for r in mine if r["counts"]]
+        if counted:
+            med = statistics.median(counted)
+            ax.errorbar([i], [med], yerr=[[med - min(counted)], [max(counted) - med]], fmt="o",
+                        color="C0", capsize=3)
+        other = [r["x_dflash"] for r in mine if not r["counts"]]
+        ax.plot([i] * len(other), other, "o", mfc="none", color="grey")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("tok/s / DFLASH's (same slice)")
-    ax.set_title("Evidence slices: DDTREE / DFLASH, median over slices [range]")
+    ax.set_xticks(range(len(keys)), [f"{s}\n{k} c{c}\n{a}" for s, k, c, a in keys],
+                  rotation=90, fontsize=6)
+    ax.set_ylabel("speed / DFLASH's (same slice)")
+    ax.set_title("Evidence slices: DDTREE / DFLASH\nfilled: counted slices, median [range]; "
+                 "hollow: a slice that does not count", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

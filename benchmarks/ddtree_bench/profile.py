@@ -5,6 +5,11 @@ here to a kernel-time table (by kernel name and by stage) and the GPU idle time 
 Why a live server and not a micro-benchmark: the question is what a DDTREE step costs beside a
 DFLASH step with everything SGLang does around it (CUDA graphs, overlap scheduling, the verify
 attention path), and the gaps where the GPU waits for the host are only visible there.
+
+Two recordings per cell: GPU activity only, for the timings (span, busy, idle, kernels), and
+with the host's activity too (`["CPU", "GPU"]`), whose CUDA runtime and driver calls give the
+launches per step (`launch_counts`); the host's recording slows the step, so the second
+recording's timings are not used.
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 # (pattern on the kernel name, stage) - first match wins; what is left is "other".
 STAGES: list[tuple[str, str]] = [
@@ -43,29 +51,84 @@ def stage_of(name: str) -> str:
     return "other"
 
 
-def start_profile(url: str, out_dir: Path, steps: int) -> None:
-    """Ask the server to profile its next `steps` forward steps (GPU activity only)."""
+def start_profile(url: str, out_dir: Path, steps: int, activities: list[str] = ("GPU",)) -> None:
+    """Ask the server to profile its next `steps` forward steps, recording `activities` ("GPU":
+    kernels and copies; "CPU" adds the host's ops and its CUDA runtime calls), without call
+    stacks or shapes (they only make the trace larger)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    body = {"output_dir": str(out_dir.resolve()), "num_steps": steps, "activities": ["GPU"]}
+    body = {"output_dir": str(out_dir.resolve()), "num_steps": steps,
+            "activities": list(activities), "with_stack": False, "record_shapes": False}
     req = urllib.request.Request(url + "/start_profile", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         resp.read()
 
 
-def wait_for_trace(out_dir: Path, timeout: float = 120.0) -> Path:
-    """The trace file the server writes once its profiled steps are done."""
+def _stream_one(url: str, input_ids: list[int], params: dict, first: threading.Event) -> int:
+    """One streamed /generate request; sets `first` at its first output chunk (its prefill is
+    done).  Returns the number of chunks."""
+    from ddtree_bench.client import _post_stream
+
+    body = {"input_ids": input_ids, "sampling_params": params, "stream": True}
+    n = 0
+    try:
+        for _ in _post_stream(url + "/generate", body, timeout=600.0):
+            n += 1
+            first.set()
+    finally:
+        first.set()  # ended or failed without output: nothing to wait for
+    return n
+
+
+def profile_under_load(url: str, prompts: list[list[int]], params: dict, bs: int,
+                       trace_dir: Path, steps: int, activities: list[str],
+                       first_timeout: float = 120.0) -> list[dict]:
+    """Keep `bs` streamed requests in flight, start the profile of `steps` forward steps once
+    every one of them has streamed its first token (all past prefill: the profiled steps are
+    decode steps of the full batch), and return the events of the trace the server writes.
+    The requests must outlive the profiled steps (params' max_new_tokens)."""
+    firsts = [threading.Event() for _ in range(bs)]
+    with ThreadPoolExecutor(bs) as pool:
+        load = [pool.submit(_stream_one, url, prompts[i % len(prompts)], params, firsts[i])
+                for i in range(bs)]
+        deadline = time.time() + first_timeout
+        for ev in firsts:
+            ev.wait(max(0.0, deadline - time.time()))
+        if not all(ev.is_set() for ev in firsts):
+            raise TimeoutError(f"{sum(not e.is_set() for e in firsts)} of {bs} requests had no "
+                               f"first token after {first_timeout:.0f} s")
+        failed = next((f.exception() for f in load if f.done() and f.exception()), None)
+        if failed is not None:  # a request that failed is the profile's error
+            raise failed
+        start_profile(url, trace_dir, steps, activities)
+        events = wait_for_trace(trace_dir, given_up=lambda: all(f.done() for f in load))
+        for f in load:
+            f.result()  # a request that failed is the profile's error too
+    return events
+
+
+def wait_for_trace(out_dir: Path, timeout: float = 120.0,
+                   given_up: Callable[[], bool] = lambda: False, grace: float = 15.0,
+                   poll: float = 0.2) -> list[dict]:
+    """The events of the trace the server writes once its profiled steps are done, read once
+    the file is whole (a gzip still being written does not parse).  `given_up()` true (the load
+    ended) and still no trace after `grace` s: the profiled steps never came."""
     deadline = time.time() + timeout
+    ended_at = None
     while time.time() < deadline:
         found = sorted(out_dir.glob("*.trace.json.gz"))
         if found:
-            size = -1
-            while found[0].stat().st_size != size:  # still being written
-                size = found[0].stat().st_size
-                time.sleep(1.0)
-            return found[0]
-        time.sleep(1.0)
-    raise TimeoutError(f"no *.trace.json.gz in {out_dir} after {timeout:.0f} s")
+            try:
+                return read_trace(found[0])
+            except (EOFError, OSError, ValueError):  # still being written
+                pass
+        elif ended_at is None and given_up():
+            ended_at = time.time()
+        elif ended_at is not None and time.time() - ended_at > grace:
+            raise RuntimeError(f"the load ended before the profiled steps did (no trace in "
+                               f"{out_dir}): raise profile.new_tokens")
+        time.sleep(poll)
+    raise TimeoutError(f"no whole *.trace.json.gz in {out_dir} after {timeout:.0f} s")
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -107,6 +170,32 @@ def kernel_table(events: list[dict], steps: int, top: int = 25) -> dict:
         stages={k: round(v * per, 4) for k, v in sorted(stages.items(), key=lambda kv: -kv[1])},
         kernels=[dict(name=name[:120], stage=stage_of(name), calls=round(calls / steps, 2),
                       ms=round(total * per, 4)) for total, calls, name in rows[:top]])
+
+
+# The host's calls that put work on the GPU, by kind: a kernel launched outside a CUDA graph
+# (runtime or driver API: Triton launches through the driver), a graph replay, a copy, a set.
+LAUNCHES = {"eager": ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                      "cuLaunchKernelEx"),
+            "graph": ("cudaGraphLaunch", "cuGraphLaunch"),
+            "memcpy": ("cudaMemcpyAsync", "cuMemcpyAsync", "cuMemcpyHtoDAsync_v2",
+                       "cuMemcpyDtoHAsync_v2"),
+            "memset": ("cudaMemsetAsync", "cuMemsetD8Async", "cuMemsetD32Async")}
+HOST_CALLS = ("cuda_runtime", "cuda_driver")  # trace categories of the host's CUDA API calls
+
+
+def launch_counts(events: list[dict], steps: int) -> dict:
+    """Per step: kernels launched outside CUDA graphs (`eager`), graph replays (`graph`),
+    async copies and sets, from the host's CUDA runtime and driver calls in the trace (they are
+    recorded with the host's activity only: `recorded` is False without any), and the count per
+    call name."""
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CALLS]
+    by_name: dict[str, int] = {}
+    for e in calls:
+        by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0) + 1
+    per = {kind: round(sum(by_name.get(n, 0) for n in names) / steps, 2)
+           for kind, names in LAUNCHES.items()}
+    return dict(recorded=bool(calls), **per, steps=steps,
+                calls={n: round(c / steps, 2) for n, c in sorted(by_name.items())})
 
 
 # CUDA runtime calls that make the host wait for the GPU (or, for a pageable host->device copy,
@@ -161,6 +250,15 @@ def markdown(profiles: dict[str, dict], title: str) -> str:
         return f"{calls or 'none'}; pageable copies {w['pageable_copies']}"
     lines.append("| host waits on the GPU (calls / step) | "
                  + " | ".join(waits(c) for c in cells) + " |")
+
+    def launches(c: str, kind: str) -> str:
+        la = profiles[c].get("launches")
+        return "-" if not la or not la.get("recorded") else str(la[kind])
+    for kind, label in (("eager", "**kernel launches outside CUDA graphs**"),
+                        ("graph", "CUDA graph replays"), ("memcpy", "async copies"),
+                        ("memset", "async sets")):
+        lines.append(f"| {label} (per step) | " + " | ".join(launches(c, kind) for c in cells)
+                     + " |")
     for c in cells:
         lines += ["", f"### {c}: top kernels", "", "| kernel | stage | calls / step | ms / step |",
                   "|---|---|---|---|"]

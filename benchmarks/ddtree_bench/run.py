@@ -24,7 +24,6 @@ import random
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from pathlib import Path
 
@@ -103,7 +102,7 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         mem_fraction_static=cfg.mem_fraction_static, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         disable_overlap_schedule=cfg.disable_overlap_schedule,
         page_size=arm.page_size or cfg.page_size, tp_size=arm.tp,
-        max_running_requests=max(cfg.cuda_graph_max_bs, max(cfg.concurrency)),
+        max_running_requests=max(cfg.cuda_graph_max_bs, *cfg.concurrency, *cfg.profile.batches),
         max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
         extra_args=list(extra), launcher_module=cfg.launcher_module, env=arm_env(arm))
 
@@ -177,6 +176,7 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
     results = dict(meta=_meta(cfg, command, ref.name if ref else None), rows=rows,
                    correctness=correctness, failures=failures)
     groups = started_groups(cfg, order, lambda a: server_spec(cfg, a, model, drafter), out)
+    sizes: dict[int, int] = {}
     with closing(groups):
         for group in groups:
             failures.update({arm.name: error for arm, _, error in group if error})
@@ -194,7 +194,9 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
                 if save:
                     save(results)
 
-            measure_group(cfg, live, prompts, params, level_done)
+            measure_group(cfg, live, prompts, params, level_done, sizes)
+            for arm, urls, _ in live:
+                profile_arm(cfg, arm, urls, prompts, results, out)
             rank = {arm.name: i for i, (arm, _, _) in enumerate(live)}
             rows[first:] = sorted(rows[first:], key=lambda r: rank[r["arm"]])  # arm by arm
             if ref is not None and cfg.temperature == 0 and ref.name in rank:
@@ -212,19 +214,24 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
 
 
 def measure_group(cfg: BenchConfig, live: list[tuple[Arm, list[str], list[Path]]], prompts,
-                  params, level_done) -> None:
+                  params, level_done, sizes: dict[int, int] | None = None) -> None:
     """Every (arm, concurrency) cell of the arms whose servers are up ([(arm, urls, server
     logs)]), level by level: `level_done([(arm, results, row)])` after each level.  In rounds
-    with `cfg.interleave`, else each arm's cell in turn."""
+    with `cfg.interleave`, else each arm's cell in turn; either way every arm of a level serves
+    the same request list (`sizes`: the list's length per level, kept across groups)."""
     from tqdm import tqdm
 
+    sizes = {} if sizes is None else sizes
     for arm, urls, _ in live:  # warm-up (JIT, graphs)
         client.run_level(urls, prompts, params, 2, 2 * len(urls), endpoint=cfg.endpoint)
     for conc in cfg.concurrency:
         if cfg.interleave:
-            cells_at = cells.measure_interleaved(cfg, live, prompts, params, conc, tqdm)
+            cells_at = cells.measure_interleaved(cfg, live, prompts, params, conc)
         else:
-            cells_at = [cells.measure_cell(cfg, urls, prompts, params, arm, conc, tqdm, logs)
+            if conc not in sizes:  # sized by the first arm measured at this level
+                sizes[conc] = cells.cell_requests(cfg, live[:1], prompts, params, conc)
+            cells_at = [cells.measure_cell(cfg, urls, prompts, params, arm, conc, tqdm, logs,
+                                           n=sizes[conc])
                         for arm, urls, logs in live]
         measured = []
         for (arm, urls, _), (res, row) in zip(live, cells_at):
@@ -232,7 +239,8 @@ def measure_group(cfg: BenchConfig, live: list[tuple[Arm, list[str], list[Path]]
                 acc = [a for a in map(client.server_accept_length, urls) if a is not None]
                 row["accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
             measured.append((arm, res, row))
-            print(json.dumps(row), flush=True)
+            print(f"{arm.name:<24} c={conc:<3} {row['requests']:>5} requests, median "
+                  f"{row['output_tok_s']} tok/s, accept {row['accept_length']}", flush=True)
         level_done(measured)
 
 
@@ -245,7 +253,9 @@ def cost_arms(cfg: BenchConfig) -> list[Arm]:
     dflash = [Arm(name="dflash", algorithm="DFLASH")] + [
         Arm(name=f"dflash-{b}", algorithm="DFLASH", attention_backend=b)
         for b in cfg.cost_mode.dflash_attention_backends if b != cfg.attention_backend]
-    return [Arm(name="no-spec"), *dflash] + [
+    default = [Arm(name="ddtree-default", algorithm="DDTREE", env=env)] \
+        if cfg.cost_mode.ddtree_default else []
+    return [Arm(name="no-spec"), *dflash, *default] + [
         Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b, env=env)
         for b in cfg.cost_mode.budgets] + [
         Arm(name=f"ddtree-b{b}-{variant}", algorithm="DDTREE", budget=b,
@@ -284,13 +294,7 @@ def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | N
                            errors=sum(r.error is not None for res in runs for r in res))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            for bs in cm.profile_batches:
-                key = f"{arm.name}@{bs}"
-                try:
-                    results.setdefault("profiles", {})[key] = profile_level(
-                        url, prompts, cm, bs, out / "traces" / key)
-                except Exception as exc:  # noqa: BLE001 - a failed profile is reported, not fatal
-                    failures[f"profile {key}"] = f"{type(exc).__name__}: {exc}"[:300]
+            profile_arm(cfg, arm, url, prompts, results, out)
             results["cost_rows"] = cost_mode.projection(rows)
             if save:
                 save(results)
@@ -298,19 +302,35 @@ def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | N
     return results
 
 
-def profile_level(url: list[str], prompts, cm, bs: int, trace_dir: Path) -> dict:
-    """Keep `bs` long requests in flight, profile `cm.profile_steps` decode steps once every
-    request is past its prefill, and reduce the trace to a kernel table."""
-    params = dict(temperature=0.0, max_new_tokens=cm.profile_new_tokens, ignore_eos=True)
-    with ThreadPoolExecutor(1) as pool:
-        load = pool.submit(client.run_level, url, prompts, params, bs, bs)
-        time.sleep(1.0 + 0.03 * bs)  # prefill of bs x prompt_len tokens is done by then
-        profile.start_profile(url[0], trace_dir, cm.profile_steps)
-        load.result()
-    table = profile.kernel_table(profile.read_trace(profile.wait_for_trace(trace_dir)),
-                                 cm.profile_steps)
-    print(json.dumps({"profile": trace_dir.name, "span_ms": table["span_ms"],
-                      "idle_ms": table["idle_ms"], "stages": table["stages"]}), flush=True)
+def profile_arm(cfg: BenchConfig, arm: Arm, urls: list[str], prompts, results: dict,
+                out: Path) -> None:
+    """Profile one arm's decode steps at every batch of cfg.profile into results["profiles"]
+    ("arm@batch"); a failed profile is recorded in results["failures"], the run goes on."""
+    for bs in cfg.profile.batches:
+        key = f"{arm.name}@{bs}"
+        try:
+            results.setdefault("profiles", {})[key] = profile_level(
+                urls[:1], prompts, cfg.profile, bs, out / "traces" / key)
+        except Exception as exc:  # noqa: BLE001 - a failed profile is reported, not fatal
+            results["failures"][f"profile {key}"] = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def profile_level(url: list[str], prompts, prof, bs: int, trace_dir: Path) -> dict:
+    """`bs` long requests in flight, `prof.steps` decode steps profiled once every request
+    streams (bench/profile.py), reduced to a kernel table; with `prof.launches` a second
+    profile records the host too, for the launches per step (its timings are not used: the
+    host's recording slows the step)."""
+    params = dict(temperature=0.0, max_new_tokens=prof.new_tokens, ignore_eos=True)
+    events = profile.profile_under_load(url[0], prompts, params, bs, trace_dir / "gpu",
+                                        prof.steps, ["GPU"])
+    table = profile.kernel_table(events, prof.steps)
+    if prof.launches:
+        events = profile.profile_under_load(url[0], prompts, params, bs, trace_dir / "cpu",
+                                            prof.steps, ["CPU", "GPU"])
+        table["launches"] = profile.launch_counts(events, prof.steps)
+        table["host_waits"] = profile.host_waits(events, prof.steps)
+    print(f"profile {trace_dir.name}: span {table['span_ms']} ms, idle {table['idle_ms']} ms, "
+          f"launches {table.get('launches')}", flush=True)
     return table
 
 
@@ -346,7 +366,9 @@ def write(results: dict, out: Path) -> str:
         (out / "profile.md").write_text(profile.markdown(
             results["profiles"], f"# Decode-step GPU profile, {m['device']}, {m['date']}\n\n"
             f"Command: `{m['command']}`, commit `{m.get('commit', '?')}`. Torch profiler through "
-            "SGLang's /start_profile, steady load of `batch` requests; cells are arm@batch."))
+            "SGLang's /start_profile, `batch` requests in flight, profiled once every one "
+            "streams; timings from a GPU-only recording, launches and host waits from a second "
+            "one with the host's activity; cells are arm@batch."))
     return md
 
 
@@ -378,61 +400,11 @@ def _meta(cfg: BenchConfig, command: str, reference: str | None) -> dict:
                 reference_arm=reference, config=cfg.model_dump())
 
 
-def plan(cfg: BenchConfig, only: list[str] | None) -> str:
-    """What a run would do, without starting anything (--dry-run)."""
-    if cfg.cost_mode.enabled:
-        cm = cfg.cost_mode
-        arms = [a for a in cost_arms(cfg) if only is None or a.name in only]
-        model, drafter = (f"{cm.workdir}/qwen3_8b_random", f"{cm.workdir}/qwen3_8b_dflash_random")
-        levels = (f"cost mode: batch sizes {cm.batch_sizes}, prompt {cm.prompt_len} tokens, "
-                  f"{cm.new_tokens} new tokens; random Qwen3-8B-shaped weights written to "
-                  f"{cm.workdir}" + (f"; profiled at batch {cm.profile_batches}"
-                                      if cm.profile_batches else ""))
-        gpus = cfg.gpus[:1]
-    else:
-        arms = cfg.arms
-        model, drafter = model_ref(cfg.model_path), model_ref(cfg.draft_model_path)
-        if cfg.min_cell_seconds or cfg.min_cell_requests:
-            minimum = " and ".join(x for x in (
-                f"{cfg.min_cell_seconds:g} s" if cfg.min_cell_seconds else "",
-                f"{cfg.min_cell_requests} requests" if cfg.min_cell_requests else "") if x)
-            cell = f"each cell a sustained load until {minimum}"
-        else:
-            cell = ", ".join(f"{requests_for(cfg, c)} requests at {c}" for c in cfg.concurrency)
-        cell += f", x{cfg.repeats}" + (" in interleaved rounds" if cfg.interleave else "")
-        levels = (f"concurrency {cfg.concurrency} per replica, {cell}"
-                  + f"; {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, "
-                    f"{cfg.endpoint} endpoint, prompts {cfg.prompts.source} (first "
-                    f"{cfg.prompts.limit})")
-        gpus = cfg.gpus
-    tps = sorted({a.tp for a in arms})
-    replicas = " / ".join(_count(len(gpus) // tp, "replica") + (f" of tp {tp}" if tp > 1 else "")
-                          for tp in tps)
-    lines = [f"config {cfg.name}: {_count(len(arms), 'arm')} x {replicas} "
-             f"(GPUs {gpus}), {_count(min(cfg.startup_group, len(arms)), 'arm')} started "
-             "together", levels]
-    if not cfg.cost_mode.enabled:
-        lines += ["inputs:"] + [f"  {line}" for line, _ in (
-            input_status(what, ref) for what, ref in run_inputs(cfg))]
-    lines.append("servers it would start:")
-    for arm in arms:
-        extra = ["--skip-tokenizer-init"] if cfg.cost_mode.enabled else []
-        spec = server_spec(cfg, arm, model, drafter, extra=extra)
-        for g in replica_gpus(gpus, arm.tp):
-            lines.append(f"  [{arm.name}, GPU {g}] CUDA_VISIBLE_DEVICES={g} {sys.executable} "
-                         + " ".join(spec.cli(port=0)[1:]).replace("--port 0", "--port <free>"))
-    return "\n".join(lines)
-
-
 PROG = "ddtree-bench"
 
 
 def main(argv: list[str] | None = None) -> int:
     return run(lambda: _main(argv), PROG)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def run_inputs(cfg: BenchConfig) -> list[tuple[str, str]]:
@@ -510,6 +482,8 @@ def _main(argv: list[str] | None) -> int:
     except ValidationError as exc:
         raise CliError(f"after the command-line overrides: {describe_errors(exc)}") from None
     if args.dry_run:  # on any machine: what is missing here is named in the plan
+        from ddtree_bench.dry_run import plan
+
         print(plan(cfg, keep))
         return 0
     absent = missing_inputs(cfg)
@@ -539,7 +513,7 @@ def _main(argv: list[str] | None) -> int:
     else:
         results = run_throughput(cfg, args.out, command, save=lambda r: write(r, args.out))
     md = write(results, args.out)
-    if "rows" in results:
+    if results.get("rows"):
         report.plots(results, args.out)
     print(md)
     return 1 if results.get("failures") else 0

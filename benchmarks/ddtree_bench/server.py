@@ -1,9 +1,18 @@
-"""Launch `python -m sglang.launch_server` as a child process, wait for health, always stop it."""
+"""Launch `python -m sglang.launch_server` as a child process, wait for health, always stop it.
+
+Each server runs in a process group of its own (SGLang's scheduler and detokenizer are its
+children), stopped as a group.  A launcher that dies without stopping its servers (SIGKILL, a
+crash in C) leaves them running, so each launch also records its group in the file named by
+$DDTREE_SERVER_PIDS when set: `python -m ddtree_bench.server stop-recorded FILE` (what
+scripts/gpu_run.sh does on exit) stops exactly those groups and nothing else on the machine.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -13,6 +22,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+PIDS_ENV = "DDTREE_SERVER_PIDS"
 
 
 def free_port() -> int:
@@ -46,6 +58,17 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     launcher_module: str = "sglang.launch_server"  # tests substitute a stand-in server
     env: dict[str, str] = field(default_factory=dict)  # e.g. a DDTREE knob for this arm only
+
+    def launch_env(self, gpu: str | None = None) -> dict[str, str]:
+        """The settings a server gets on top of the caller's environment: the arm's knobs and
+        its GPUs (CUDA_VISIBLE_DEVICES)."""
+        return {**({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}), **self.env}
+
+    def shell_command(self, port: int, gpu: str | None = None) -> str:
+        """The launch as one shell line that runs as printed: env assignments, then the
+        command, every word shell-quoted."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.launch_env(gpu).items()]
+        return " ".join([*env, shlex.join(self.cli(port))])
 
     def cli(self, port: int) -> list[str]:
         args = [sys.executable, "-m", self.launcher_module, "--model-path", self.model_path,
@@ -94,13 +117,16 @@ class Server:
         return self.wait_healthy(timeout)
 
     def launch(self) -> None:
-        env = {**os.environ, **self.spec.env, **self.env}  # the Server's own settings win
-        if self.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        env = {**os.environ, **self.spec.launch_env(self.gpu), **self.env}  # own settings win
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.spec.cli(self.port), stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _LIVE.add(self)
+        record = os.environ.get(PIDS_ENV)
+        if record:  # its own session: the pid is the process group's id
+            with open(record, "a") as f:
+                f.write(f"{self.proc.pid}\n")
 
     def wait_healthy(self, timeout: float) -> "Server":
         deadline = time.time() + timeout
@@ -114,7 +140,7 @@ class Server:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
-            time.sleep(2)
+            time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"server {self.spec.name} not healthy after {timeout}s:\n{self.log_tail()}")
 
@@ -128,6 +154,7 @@ class Server:
             return ""
 
     def stop(self) -> None:
+        _LIVE.discard(self)
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -146,6 +173,48 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_LIVE: set[Server] = set()
+
+
+@atexit.register
+def _stop_live() -> None:
+    """Servers still up when the interpreter exits (an uncaught error, SystemExit from SIGTERM)
+    are stopped: they live in sessions of their own and would outlive us."""
+    for server in list(_LIVE):
+        server.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a group of another user: not ours to stop
+        return False
+
+
+def stop_recorded(path: Path, grace_s: float = 20.0) -> list[int]:
+    """Stop the process groups recorded in `path` (one pid a line, by Server.launch) that are
+    still alive: SIGTERM, then SIGKILL after `grace_s`.  Returns the groups that were alive.
+    Servers this file does not name (another user's, another run's) are left alone."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    groups = [int(x) for x in text.split() if x.isdigit()]
+    alive = [g for g in dict.fromkeys(groups) if _group_alive(g)]
+    for g in alive:
+        os.killpg(g, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(_group_alive(g) for g in alive):
+        time.sleep(0.2)
+    for g in alive:
+        if _group_alive(g):
+            os.killpg(g, signal.SIGKILL)
+    return alive
 
 
 def stop_servers_on_sigterm() -> None:
@@ -171,3 +240,20 @@ def post_json(url: str, payload: dict, timeout: float = 600.0) -> dict:
 def get_json(url: str, timeout: float = 30.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddtree_bench.server stop-recorded FILE`: stop the servers FILE records."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "stop-recorded":
+        print("usage: python -m ddtree_bench.server stop-recorded FILE", file=sys.stderr)
+        return 2
+    stopped = stop_recorded(Path(args[1]))
+    if stopped:
+        print(f"stopped {len(stopped)} server process group(s) left running: "
+              f"{' '.join(map(str, stopped))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,12 @@
 machine, with the same servers for every cell, so that the ratios inside a slice (DDTREE / DFLASH,
 / plain, the grammar tax against the same servers' runs without a grammar) are paired.
 
+Every cell is fixed work (bench/cells.py): each arm serves the same request list, sized from a
+probe, and its ratios are ratios of the times to finish it.  A slice may carry a measured null:
+one arm served twice, by two servers started with the others (`<arm>` and `<arm>-null`); their
+ratio in a cell is that cell's noise, and a cell whose null lies outside NULL_BAND says nothing
+at that precision.
+
 Cells run concurrency by concurrency, each kind at that level before the next level, so a slice
 cut short by its deadline still holds whole (kind, none) pairs for the tax.  A cell starts only if
 its estimated time fits before `stop_at`; the cells left out are named in the results.
@@ -9,7 +15,6 @@ its estimated time fits before `stop_at`; the cells left out are named in the re
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from contextlib import closing
@@ -17,46 +22,57 @@ from pathlib import Path
 from typing import Callable
 
 from ddtree_bench import cells, client, compare, run
-from ddtree_bench.config import BenchConfig
+from ddtree_bench.config import Arm, BenchConfig
 from ddtree_bench.grammars import sampling_constraint
 
 REFERENCE_ARM = "plain"
-WARMUP_S = 1.5  # per measurement: its warm-up round and the drain of the last requests
+NULL_SUFFIX = "-null"
+NULL_BAND = (0.95, 1.05)  # a null outside it: the cell's ratios are noise at the 5% level
 
 
-def cell_seconds(cfg: BenchConfig, n_arms: int) -> float:
-    """Estimated wall time of one interleaved cell: every arm, every round, warm-up included."""
-    return n_arms * cfg.repeats * (cfg.min_cell_seconds + WARMUP_S)
+def null_twin(arm: Arm) -> Arm:
+    """The null's second server: the same arm under the name `<arm>-null`."""
+    return arm.model_copy(update=dict(name=arm.name + NULL_SUFFIX))
+
+
+def is_twin(name: str) -> bool:
+    return name.endswith(NULL_SUFFIX)
 
 
 def kind_params(cfg: BenchConfig, kind: str) -> dict:
     """Greedy request parameters of one grammar kind ('none': unconstrained, EOS ignored so
-    every request runs to max_new_tokens)."""
+    every request runs to max_new_tokens; with a grammar the request ends where the grammar
+    does, the same place for every arm at greedy)."""
     return dict(temperature=0.0, max_new_tokens=cfg.max_new_tokens, ignore_eos=kind == "none",
                 **sampling_constraint(kind))
 
 
 def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
-                  save: Callable[[], None], stop_at: float | None = None) -> None:
+                  save: Callable[[], None], stop_at: float | None = None,
+                  null: str | None = None, log: Callable[[str], None] = print) -> None:
     """Start every arm's server together, then measure each (concurrency, kind) cell
     interleaved, appending rows (with `kind`) to results["rows"]; greedy outputs of each arm are
-    compared with the reference arm's per kind.  Cells that would run past `stop_at`
-    (time.monotonic()) are not started and are listed in results["cells_skipped"]."""
-    from tqdm import tqdm
-
+    compared with the reference arm's per kind.  `null`: the arm whose twin (`<null>-null`) is
+    among cfg.arms; its ratio per cell goes to results["null"].  Cells that would run past
+    `stop_at` (time.monotonic()) are not started and are listed in results["cells_skipped"].
+    Logs one line per measurement and one per cell."""
     prompts = run.load_prompts(cfg)
     spec_of = lambda a: run.server_spec(cfg, a, cfg.model_path, cfg.draft_model_path,  # noqa: E731
                                         extra=["--constrained-json-disable-any-whitespace"])
+    t0 = time.monotonic()
     groups = run.started_groups(cfg, cfg.arms, spec_of, out)
     with closing(groups):
         group = next(groups)
+        results["startup_s"] = round(time.monotonic() - t0, 1)
         results["failures"] = {arm.name: err for arm, _, err in group if err}
+        log(f"servers up after {results['startup_s']:.0f} s"
+            + (f"; failed: {', '.join(results['failures'])}" if results["failures"] else ""))
         live = [(arm, [s.url for s in servers], [s.log_path for s in servers])
                 for arm, servers, err in group if not err]
         ref_url = next((u[0] for a, u, _ in live if a.name == REFERENCE_ARM), None)
         outputs: dict[str, dict[str, dict[int, list[int]]]] = {k: {} for k in kinds}
         warmed: set[str] = set()
-        estimate = cell_seconds(cfg, len(live))
+        estimate = cells.cell_estimate(cfg, len(live)) or 0.0
         skipped = results.setdefault("cells_skipped", [])
         for conc in cfg.concurrency:
             for kind in kinds:
@@ -68,16 +84,19 @@ def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
                     for _, urls, _ in live:
                         client.run_level(urls, prompts, params, 2, 2, endpoint=cfg.endpoint)
                     warmed.add(kind)
-                for (arm, _, _), (res, row) in zip(live, cells.measure_interleaved(
-                        cfg, live, prompts, params, conc, tqdm)):
-                    results["rows"].append(dict(row, kind=kind))
+                measured = cells.measure_interleaved(cfg, live, prompts, params, conc,
+                                                     log=lambda line: log(f"{kind:<12} {line}"))
+                rows = []
+                for (arm, _, _), (res, row) in zip(live, measured):
+                    rows.append(dict(row, kind=kind))
                     for r in res:
                         if r.error is None:
                             outputs[kind].setdefault(arm.name, {}).setdefault(
                                 r.prompt_index, r.output_ids)
-                    print(json.dumps({k: row.get(k) for k in (
-                        "arm", "concurrency", "output_tok_s", "rounds_tok_s",
-                        "accept_length", "errors", "first_error")} | {"kind": kind}), flush=True)
+                results["rows"] += rows
+                if null:
+                    results["null"] = null_summary(results["rows"], null)
+                log(cell_line(kind, conc, rows, null))
                 save()
         for kind, outs in outputs.items():
             for name, arm_outs in outs.items():
@@ -89,14 +108,60 @@ def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
 
 
 def ratio_to(rows: list[dict], arm: str, base: str) -> dict | None:
-    """Median and range of the per-round tok/s ratios arm / base (paired rounds)."""
+    """How much faster `arm` served the cell than `base`: median and range of the per-round
+    ratios base's time / arm's time (paired rounds of the same request list).  Rows measured
+    before cells had fixed work (no rounds_wall_s) give their tok/s ratios."""
     a = next((r for r in rows if r["arm"] == arm), None)
     b = next((r for r in rows if r["arm"] == base), None)
-    if not a or not b or not a.get("rounds_tok_s") or not b.get("rounds_tok_s"):
+    if not a or not b:
         return None
-    ratios = [x / y for x, y in zip(a["rounds_tok_s"], b["rounds_tok_s"]) if x and y]
+    if a.get("rounds_wall_s") and b.get("rounds_wall_s"):
+        ratios = [y / x for x, y in zip(a["rounds_wall_s"], b["rounds_wall_s"]) if x and y]
+    elif a.get("rounds_tok_s") and b.get("rounds_tok_s"):
+        ratios = [x / y for x, y in zip(a["rounds_tok_s"], b["rounds_tok_s"]) if x and y]
+    else:
+        return None
     return dict(median=round(statistics.median(ratios), 3), low=round(min(ratios), 3),
                 high=round(max(ratios), 3)) if ratios else None
+
+
+def null_ratio(rows: list[dict], null: str) -> dict | None:
+    """The cell's null: the null arm against its twin (ratio_to), with `quiet` when its median
+    lies inside NULL_BAND."""
+    q = ratio_to(rows, null, null + NULL_SUFFIX)
+    if q is None:
+        return None
+    return dict(q, quiet=NULL_BAND[0] <= q["median"] <= NULL_BAND[1])
+
+
+def null_summary(rows: list[dict], null: str) -> dict:
+    """The slice's null: per cell ("kind@c") its ratio, and the one farthest from 1 (the
+    slice's noise); `noisy` names the cells outside NULL_BAND (they do not count)."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(f"{r['kind']}@{r['concurrency']}", []).append(r)
+    per = {key: q for key, cell in by.items() if (q := null_ratio(cell, null))}
+    worst = max(per.values(), key=lambda q: abs(q["median"] - 1.0), default=None)
+    return dict(arm=null, twin=null + NULL_SUFFIX, band=list(NULL_BAND), cells=per,
+                worst=worst["median"] if worst else None,
+                noisy=[k for k, q in per.items() if not q["quiet"]])
+
+
+def cell_line(kind: str, conc: int, rows: list[dict], null: str | None) -> str:
+    """The log's line after a cell: its work, the null and every DDTREE arm's time ratio to
+    DFLASH."""
+    work = rows[0]
+    parts = [f"cell {kind}@{conc}: {work['requests']} requests"]
+    if null:
+        q = null_ratio(rows, null)
+        parts.append("null -" if q is None else
+                     f"null {q['median']:.3f}" + ("" if q["quiet"] else " NOISY"))
+    for r in rows:
+        if r["arm"].startswith("ddtree") and not is_twin(r["arm"]):
+            q = ratio_to(rows, r["arm"], "dflash")
+            if q:
+                parts.append(f"{r['arm']} x dflash {q['median']:.3f}")
+    return "; ".join(parts)
 
 
 def grammar_tax(rows: list[dict], arm: str, kind: str, conc: int) -> float | None:
@@ -109,19 +174,48 @@ def grammar_tax(rows: list[dict], arm: str, kind: str, conc: int) -> float | Non
     return with_grammar / without if with_grammar and without else None
 
 
+def _ratio_text(q: dict | None) -> str:
+    return f"**{q['median']:.2f}** [{q['low']:.2f}-{q['high']:.2f}]" if q else "-"
+
+
+def _null_text(rows: list[dict], null: str | None) -> str:
+    q = null_ratio(rows, null) if null else None
+    if q is None:
+        return "-"
+    return f"{q['median']:.3f} [{q['low']:.3f}-{q['high']:.3f}]" + (
+        "" if q["quiet"] else " **noisy**")
+
+
 def markdown(results: dict) -> str:
     m = results["meta"]
     arms = list(m["arms"])
+    null = (m.get("null") or {}).get("arm")
+    ddtree = [a for a in arms if a.startswith("ddtree") and not is_twin(a)]
+    fixed = any(r.get("rounds_wall_s") for r in results["rows"])
+    work = (f"fixed work: every arm of a cell serves the same request list (sized so the slowest "
+            f"arm needs about {m['seconds']} s), tok/s = its output tokens / the time to finish "
+            "it; x DFLASH: median of the per-round time ratios [range]" if fixed else
+            f"cells of >= {m['seconds']} s sustained load; x DFLASH: median of per-round tok/s "
+            "ratios [range]")
     lines = [f"# Structured output under load, {m['device']}, {m['date']}", "",
              f"Command: `{m['command']}` (commit `{m['commit']}`). Testbed pair, greedy, "
-             f"`/generate`, {m['max_new_tokens']} new tokens at most, cells of >= "
-             f"{m['seconds']} s sustained load, {m['rounds']} interleaved rounds with a warm-up "
-             "each. tok/s: median of rounds; x DFLASH: median of per-round ratios [range]; "
-             "accept: accept length.", "",
-             "| kind | c | " + " | ".join(arms) + " | " +
-             " | ".join(f"{a} / dflash" for a in arms if a.startswith("ddtree")) +
-             " | accept " + " / ".join(a for a in arms if a != "plain") + " |",
-             "|---|---|" + "---|" * (len(arms) + sum(a.startswith("ddtree") for a in arms) + 1)]
+             f"`/generate`, {m['max_new_tokens']} new tokens at most, {m['rounds']} interleaved "
+             f"rounds with a warm-up each; {work}; accept: accept length.", ""]
+    summary = results.get("null")
+    if null and summary:
+        noisy = summary["noisy"]
+        lines += [f"Null: `{null}` against a second server of itself (`{summary['twin']}`), "
+                  f"median of the per-round time ratios; worst cell {summary['worst']}; "
+                  + (f"**noisy (outside {NULL_BAND[0]}-{NULL_BAND[1]}): {', '.join(noisy)}** "
+                     "- those cells do not count" if noisy else
+                     f"every cell within {NULL_BAND[0]}-{NULL_BAND[1]}") + ".", ""]
+    elif not null:
+        lines += ["No null in this slice (no arm served twice): its ratios carry no measured "
+                  "noise.", ""]
+    lines += ["| kind | c | requests | " + " | ".join(arms) + " | null | " +
+              " | ".join(f"{a} / dflash" for a in ddtree) +
+              " | accept " + " / ".join(a for a in arms if a != "plain" and not is_twin(a)) + " |",
+              "|---|---|---|" + "---|" * (len(arms) + len(ddtree) + 2)]
     cells_ = {}
     for r in results["rows"]:
         cells_.setdefault((r["kind"], r["concurrency"]), []).append(r)
@@ -129,15 +223,11 @@ def markdown(results: dict) -> str:
         by = {r["arm"]: r for r in rows}
         tok = [f"{by[a]['output_tok_s']:,.0f}" if a in by and by[a]["output_tok_s"] else "-"
                for a in arms]
-        rat = []
-        for a in arms:
-            if a.startswith("ddtree"):
-                q = ratio_to(rows, a, "dflash")
-                rat.append(f"**{q['median']:.2f}** [{q['low']:.2f}-{q['high']:.2f}]" if q else "-")
+        rat = [_ratio_text(ratio_to(rows, a, "dflash")) for a in ddtree]
         acc = " / ".join(f"{by[a]['accept_length']:.2f}" if a in by and by[a].get(
-            "accept_length") else "-" for a in arms if a != "plain")
-        lines.append(f"| {kind} | {conc} | " + " | ".join(tok) + " | " + " | ".join(rat) +
-                     f" | {acc} |")
+            "accept_length") else "-" for a in arms if a != "plain" and not is_twin(a))
+        lines.append(f"| {kind} | {conc} | {rows[0].get('requests', '-')} | " + " | ".join(tok)
+                     + f" | {_null_text(rows, null)} | " + " | ".join(rat) + f" | {acc} |")
     lines += ["", "Greedy outputs against plain SGLang's (identical / compared; divergences "
               "scored by the plain server: near-tie within 0.05 logprob or not):", ""]
     for kind, arms_ in results.get("greedy_vs_plain", {}).items():
@@ -155,7 +245,7 @@ def goal_lines(rows: list[dict], arms: list[str]) -> list[str]:
     """The issue's goals per (kind, concurrency) for each DDTREE arm: >= DFLASH with the same
     grammar (median of paired rounds), >= plain at c = 1, and a grammar tax at least DFLASH's
     (where kind "none" ran on the same servers)."""
-    ddtree = [a for a in arms if a.startswith("ddtree")]
+    ddtree = [a for a in arms if a.startswith("ddtree") and not is_twin(a)]
     if not ddtree or "dflash" not in arms:
         return []
     lines = ["", "Goals per DDTREE arm: x DFLASH (>= 1.0), x plain at c = 1 (>= 1.0), grammar "
