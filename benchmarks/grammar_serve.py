@@ -45,17 +45,9 @@ ARMS = {
                        env={"SGLANG_DDTREE_GRAMMAR": "path"}),
     "ddtree-auto": Arm(name="ddtree-auto", algorithm="DDTREE",
                        env={"SGLANG_DDTREE_GRAMMAR": "auto"}),
-    "ddtree-python": Arm(name="ddtree-python", algorithm="DDTREE",
-                         env={"SGLANG_DDTREE_GRAMMAR": "python"}),
-    # auto masks, and the batch-aware budget of grammar batches from their own step costs
-    "ddtree-auto-own": Arm(name="ddtree-auto-own", algorithm="DDTREE",
-                           env={"SGLANG_DDTREE_GRAMMAR": "auto",
-                                "SGLANG_DDTREE_GRAMMAR_BUDGET": "own"}),
-    # ... and constrained rows verifying their best grammar-valid candidate nodes
-    "ddtree-valid": Arm(name="ddtree-valid", algorithm="DDTREE",
-                        env={"SGLANG_DDTREE_GRAMMAR": "auto",
-                             "SGLANG_DDTREE_GRAMMAR_BUDGET": "own",
-                             "SGLANG_DDTREE_GRAMMAR_TREE": "valid"}),
+    "ddtree-auto-spine": Arm(name="ddtree-auto-spine", algorithm="DDTREE",
+                             env={"SGLANG_DDTREE_GRAMMAR": "auto",
+                                  "SGLANG_DDTREE_GRAMMAR_FORCE": "spine"}),
 }
 
 

@@ -18,8 +18,7 @@ sample output is simulated step by step:
 Every method's mask rows are checked equal (python vs native) and every walk's choices equal to
 the sample along the path, so the timings compare methods that do the same job.
 Reported per (vocabulary, kind, tree, method): host microseconds per request per step (median
-over steps), mask fills per step and per committed token, and the accept length; per DDTREE
-tree, what the grammar-valid tree (grammar_valid_tree.py) costs and would have accepted.  A last table
+over steps), mask fills per step and per committed token, and the accept length.  A last table
 times a batch's native tree masks serially and on threads (xgrammar releases the GIL).
 """
 
@@ -44,7 +43,6 @@ from ddtree_bench.grammars import KINDS, compile_kind, kind_names  # noqa: E402
 from ddtree_sglang.cli import positive_int, positive_int_list  # noqa: E402
 from ddtree_sglang.grammar.masks import (TOP_K, PathWalk, allow_all, fill_tree_masks,  # noqa: E402
                                          sample_paths, unpack_bitmask, walk_paths)
-from ddtree_sglang.grammar.valid_tree import select_nodes, valid_nodes  # noqa: E402
 from ddtree_sglang.tree.verify_layout import sibling_links  # noqa: E402
 from ddtree_sglang.tree.builder import build_draft_tree, chain_tree  # noqa: E402
 
@@ -176,7 +174,6 @@ def simulate(vocab: Vocab, compiled, kind: str, tree_name: str, episodes: int,
     per = {m: [] for m in ("python", "native", "path", "path_wall", "sampled_path")}
     fills = {m: 0 for m in per}
     committed = steps = 0
-    valid = dict(us=[], share=[], accepted=0, accepted_valid=0)
     for _ in range(episodes):
         m = xgr.GrammarMatcher(compiled)
         pos, root = 0, sample[0]
@@ -191,8 +188,6 @@ def simulate(vocab: Vocab, compiled, kind: str, tree_name: str, episodes: int,
             width = tokens.numel()
             first_l, nxt_l, tok_l = first.tolist(), nxt.tolist(), tokens.tolist()
             n_acc = accepted_path(first_l, nxt_l, tok_l, ref)
-            if tree_name != "chain16":
-                valid_step(m, logits, root, parents, tok_l, width, ref, n_acc, valid)
             # python: SGLang's traversal (what DFLASH and EAGLE run)
             grammar = XGrammarGrammar(m, vocab.size, compiled, None)
             py_rows = allow_all(width, vocab.size)
@@ -279,32 +274,7 @@ def simulate(vocab: Vocab, compiled, kind: str, tree_name: str, episodes: int,
                    fills_per_step=round(fills[meth] / steps, 2),
                    fills_per_token=round(fills[meth] / committed, 2))
         for meth, v in per.items()})
-    if valid["us"]:
-        out["valid_tree"] = dict(
-            us_per_step=round(statistics.median(valid["us"]), 1),
-            valid_share=round(statistics.mean(valid["share"]), 3),
-            accepted_per_step=round(valid["accepted"] / steps, 2),
-            accepted_per_step_valid_of_2b=round(valid["accepted_valid"] / steps, 2))
     return out
-
-
-def valid_step(m, logits, root: int, parents: list[int], tokens: list[int], width: int,
-               ref: list[int], n_acc: int, valid: dict) -> None:
-    """The grammar-valid tree (grammar_valid_tree.py) at this step: the share of the B tree's nodes
-    the grammar allows, the host time to check and select the best valid B among a 2B
-    candidate tree, and the draft tokens that selection would have accepted."""
-    cand = build_draft_tree(logits, 2 * (width - 1))
-    _, _, cand_tokens, cand_parents = tree_links(cand, root)
-    ctok = cand_tokens.tolist()
-    us, keep = timed(lambda: select_nodes(cand_parents, valid_nodes(m, cand_parents, ctok),
-                                          width))
-    valid["us"].append(us)
-    valid["share"].append((sum(valid_nodes(m, parents, tokens)) - 1) / (width - 1))
-    index = {old: new for new, old in enumerate(keep)}
-    first, nxt = sibling_links(torch.tensor([[-1] + [index[cand_parents[i]] for i in keep[1:]]]))
-    valid["accepted"] += n_acc
-    valid["accepted_valid"] += accepted_path(first[0].tolist(), nxt[0].tolist(),
-                                             [ctok[i] for i in keep], ref)
 
 
 def _forbidden(matcher, prefix: list[int], vocab: int, rng: random.Random) -> int | None:
@@ -410,19 +380,6 @@ def markdown(res: dict) -> str:
                      f"{mm['native']['fills_per_token']} | {mm['path']['fills_per_token']} | "
                      f"{mm['sampled_path']['fills_per_token']} |")
     lines += goal_lines(res["rows"])
-    lines += ["", "The grammar-valid tree (SGLANG_DDTREE_GRAMMAR_TREE=valid): share of the B "
-              "tree's nodes the grammar allows; host µs per request per step to check a 2B "
-              "candidate tree and select its best valid B; draft tokens accepted per step by "
-              "the B tree and by that selection (the simulated drafter's alternatives are half "
-              "grammar-allowed, half random).", "",
-              "| vocabulary | kind | tree | valid share | check + select µs | accepted B | "
-              "accepted valid B of 2B |", "|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        v = r.get("valid_tree")
-        if v:
-            lines.append(f"| {r['vocab']} | {r['kind']} | {r['tree']} | {v['valid_share']} | "
-                         f"{v['us_per_step']:,} | {v['accepted_per_step']} | "
-                         f"{v['accepted_per_step_valid_of_2b']} |")
     lines += ["", "Native tree masks (B = 31) for a batch of requests: µs per request, "
               "serial or on threads.", "", "| vocabulary | kind | batch | " +
               " | ".join(f"{w} thread(s)" for w in m["workers"]) + " |",

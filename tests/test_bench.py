@@ -412,37 +412,32 @@ def test_arm_environment_is_checked_and_reaches_the_server():
     from ddtree_bench.config import Arm, CostMode
 
     cfg = load_config(ROOT / "configs" / "h200_profile_qwen3_8b.yaml")
-    split = [a for a in serve_bench.cost_arms(cfg) if a.name.endswith("-split")]
-    assert [(a.budget, a.env) for a in split] == [
-        (15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})]
-    spec = serve_bench.server_spec(cfg, split[0], "m", "d")
+    single = [a for a in serve_bench.cost_arms(cfg) if a.name.endswith("-single")]
+    assert [(a.budget, a.env) for a in single] == [
+        (15, {"SGLANG_DDTREE_DEBUG": "sglang_attention"})]
+    spec = serve_bench.server_spec(cfg, single[0], "m", "d")
     # a fixed-budget arm pins the budget (the server's default is the batch-aware choice)
-    assert spec.env == {"SGLANG_DDTREE_VERIFY_ATTENTION": "split", "SGLANG_DDTREE_BUDGETS": "off"}
-    for env, message in [({"SGLANG_DDTREE_VERIFY_ATTENTION": "fast"}, "accepted: kernel, single, split"),
+    assert spec.env == {"SGLANG_DDTREE_DEBUG": "sglang_attention", "SGLANG_DDTREE_BUDGETS": "off"}
+    for env, message in [({"SGLANG_DDTREE_DEBUG": "fast"}, "accepted: a comma list of"),
+                         ({"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}, "it was retired"),
                          ({"FOO": "1"}, "unknown setting 'FOO'")]:
         with pytest.raises(ValueError, match=message):
             Arm(name="x", algorithm="DDTREE", budget=15, env=env)
     with pytest.raises(ValueError, match="DDTREE arms only"):
-        Arm(name="x", algorithm="DFLASH", env={"SGLANG_DDTREE_VERIFY_ATTENTION": "split"})
+        Arm(name="x", algorithm="DFLASH", env={"SGLANG_DDTREE_DEBUG": "torch_tree"})
     with pytest.raises(ValueError, match=">= 1"):
-        CostMode(split_attention_budgets=[0])
-    kernel = load_config(ROOT / "configs" / "h200_cost_kernel_qwen3_8b.yaml")
-    assert [(a.name, a.budget, a.env) for a in serve_bench.cost_arms(kernel)][2:] == [
-        ("ddtree-b15-kernel", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
-        ("ddtree-b31-kernel", 31, {"SGLANG_DDTREE_VERIFY_ATTENTION": "kernel"}),
-        ("ddtree-b15-single", 15, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"}),
-        ("ddtree-b31-single", 31, {"SGLANG_DDTREE_VERIFY_ATTENTION": "single"})]
+        CostMode(single_attention_budgets=[0])
 
 
 def test_cost_mode_env_reaches_every_ddtree_arm():
-    cfg = load_config(ROOT / "configs" / "h200_cost_tree_kernel_wide_qwen3_8b.yaml")
-    arms = {a.name: a for a in serve_bench.cost_arms(cfg)}
-    assert arms["ddtree-b127"].env == {"SGLANG_DDTREE_TREE_KERNEL": "triton"}
-    assert arms["dflash"].env == {} and arms["no-spec"].env == {}
     from ddtree_bench.config import CostMode
 
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_TREE_KERNEL='fast' is not accepted"):
-        CostMode(env={"SGLANG_DDTREE_TREE_KERNEL": "fast"})
+    cfg = load_config(ROOT / "configs" / "h200_profile_wide_qwen3_8b.yaml")
+    arms = {a.name: a for a in serve_bench.cost_arms(cfg)}
+    assert arms["ddtree-b127"].env == {"SGLANG_DDTREE_DEBUG": "host_timing"}
+    assert arms["dflash"].env == {} and arms["no-spec"].env == {}
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GRAMMAR='fast' is not accepted"):
+        CostMode(env={"SGLANG_DDTREE_GRAMMAR": "fast"})
 
 
 def test_comma_list_arguments():

@@ -147,7 +147,7 @@ def test_the_8_gpu_plan_prints_runnable_tp2_commands_and_its_duration(capsys, mo
     commands = dict(_commands(out))
     tp2 = shlex.split(commands["# [ddtree-b31-tp2, GPU 6,7]"])
     assert tp2[:3] == ["CUDA_VISIBLE_DEVICES=6,7", "SGLANG_DDTREE_BUDGETS=off",
-                       "SGLANG_DDTREE_UNCHECKED=tp"]
+                       "SGLANG_DDTREE_DEBUG=unchecked"]
     assert tp2[3:6] == [sys.executable, "-m", "sglang.launch_server"]
     assert tp2[tp2.index("--tp-size") + 1] == "2"
     ports = [shlex.split(c)[shlex.split(c).index("--port") + 1] for c in commands.values()]

@@ -46,9 +46,10 @@ class FakeIO:
             len(batch.seq_lens), BLOCK, H)
         return hidden, False  # the pass ran eagerly: the step runs the tree stage itself
 
-    def target_verify(self, batch, draft_input, layout, mask_positions=None):
+    def target_verify(self, batch, draft_input, layout, mask_positions=None, mask_buffer=None):
         self.calls.append(("verify", (self.target_runner.attn_backend,
                                       self.target_runner.decode_cuda_graph_runner)))
+        self.mask_buffer = mask_buffer
         slots = "slots" if layout is None else 100 + torch.arange(layout.draft_tokens.numel())
         return self.verify_out, "verify batch", True, slots
 
@@ -393,7 +394,10 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
     verify_runtime = w.verify_runtime
     w.verify_runtime = lambda width: runtimes.append(width) or verify_runtime(width)
     seq = batch.seq_lens.clone()
+    mask_buffer = torch.zeros(2 * (B + 1) * (64 + B + 1), dtype=torch.uint8)
+    w.stages.tree.set_mask_targets({B + 1: (mask_buffer, 4)})
     result = w.run(batch)
+    assert w.io.mask_buffer is mask_buffer  # the verify reads the blocks the tree stage wrote
     tree = unpack_tree_stage(tree_stage(hidden[:, 1:] @ LM_HEAD.weight.T,
                                         torch.tensor([3, 7]), seq, B, 3, build_draft_tree), B)
     lay = tree.layouts[B + 1]

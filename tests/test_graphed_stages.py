@@ -115,3 +115,27 @@ def test_a_batch_larger_than_every_graph_runs_eagerly(monkeypatch):
     commit, _ = run_accept(st, 5, 4, choice, slots)
     assert commit.tokens.shape == (5, BLOCK)
     assert st.accept._captured_size(5, 4, 0) is None and st.accept._captured_size(1, 4, 1) == 2
+
+
+def test_the_tree_stage_writes_each_width_s_mask_blocks_into_its_backend_buffer():
+    """With mask targets set, every tree stage run leaves in each width's buffer exactly the
+    ancestor blocks full_mask places (the prefix cells untouched: never read), up to the
+    buffer's batch size; the verify takes the buffer only where it holds this step's mask."""
+    from ddtree_sglang.tree.verify_layout import full_mask
+
+    st = stages()
+    seq = torch.tensor([7, 9])
+    buffers = {w: torch.full((4 * w * (20 + w),), 7, dtype=torch.uint8) for w in (4, 9)}
+    st.tree.set_mask_targets({4: (buffers[4], 2), 9: (buffers[9], 2), 200: (buffers[9], 2)})
+    assert sorted(st.tree.mask_targets) == [4, 9]  # no positions at an unknown width
+    st.tree.run(torch.randn(2, BLOCK - 1, H), torch.tensor([3, 4]), seq)
+    out = st.tree.read(2)
+    for w, buf in buffers.items():
+        want = full_mask(out.layouts[w].ancestors, seq, 20)
+        blocks = out.mask_positions[w].reshape(-1)
+        assert torch.equal(buf[blocks], want[blocks].to(torch.uint8))
+        untouched = torch.ones_like(buf, dtype=torch.bool)
+        untouched[blocks] = False
+        assert (buf[untouched] == 7).all()  # only the blocks were written
+    assert st.tree.mask_buffer(9, 2) is buffers[9] and st.tree.mask_buffer(9, 3) is None
+    assert stages().tree.mask_buffer(9, 1) is None  # no target: the verify builds the mask

@@ -91,12 +91,8 @@ class CostMode(_Strict):
     prompt_len: int = 512
     new_tokens: int = 128
     workdir: str = "/tmp/ddtree_cost_models"
-    split_attention_budgets: list[int] = Field([], description="budgets also measured with the "
-                                               "split verify attention (arm ddtree-b<B>-split)")
-    kernel_attention_budgets: list[int] = Field([], description="budgets also measured with the "
-                                                "tree-attention kernel (arm ddtree-b<B>-kernel)")
     env: dict[str, str] = Field({}, description="DDTREE environment knobs for every DDTREE "
-                                "arm of the cost mode (e.g. SGLANG_DDTREE_TREE_KERNEL: triton); "
+                                "arm of the cost mode (e.g. SGLANG_DDTREE_DEBUG: torch_tree); "
                                 "an attention variant arm's own knob wins")
     single_attention_budgets: list[int] = Field([], description="budgets also measured with "
                                                 "SGLang's single masked verify call (arm "
@@ -117,8 +113,7 @@ class CostMode(_Strict):
             check_env(key, value)  # DDTreeConfigError is a ValueError: a config error
         return v
 
-    @field_validator("batch_sizes", "budgets", "split_attention_budgets",
-                     "kernel_attention_budgets", "single_attention_budgets")
+    @field_validator("batch_sizes", "budgets", "single_attention_budgets")
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
         if any(x < 1 for x in v):

@@ -258,12 +258,9 @@ def cost_arms(cfg: BenchConfig) -> list[Arm]:
     return [Arm(name="no-spec"), *dflash, *default] + [
         Arm(name=f"ddtree-b{b}", algorithm="DDTREE", budget=b, env=env)
         for b in cfg.cost_mode.budgets] + [
-        Arm(name=f"ddtree-b{b}-{variant}", algorithm="DDTREE", budget=b,
-            env={**env, "SGLANG_DDTREE_VERIFY_ATTENTION": variant})
-        for variant, budgets in (("split", cfg.cost_mode.split_attention_budgets),
-                                 ("kernel", cfg.cost_mode.kernel_attention_budgets),
-                                 ("single", cfg.cost_mode.single_attention_budgets))
-        for b in budgets]
+        Arm(name=f"ddtree-b{b}-single", algorithm="DDTREE", budget=b,
+            env={**env, "SGLANG_DDTREE_DEBUG": "sglang_attention"})
+        for b in cfg.cost_mode.single_attention_budgets]
 
 
 def run_cost_mode(cfg: BenchConfig, out: Path, command: str, only: list[str] | None = None,

@@ -5,10 +5,11 @@ On a GPU every tensor op outside a CUDA graph is a kernel launch the host pays f
 microseconds each), whatever the op computes; at batch 1 on a small target those launches set
 the step's floor.  Here the real `DecodeStep` runs over the real `DFlashModelIO`, with what
 DFLASH does as well stood in (the drafter and target forwards, SGLang's verify preparation, the
-draft-KV write, the KV-move kernel) and the graphed stages (tree, accept) replaced by what a
-replay costs the host (the copies into and out of the graph): the ops counted are the ones
-DDTREE adds to DFLASH's step.  Ops are counted with a TorchDispatchMode (every aten op, views
-included: a view costs no launch on the GPU but host time all the same).
+draft-KV write, the KV-move kernel) and the graphed stages replaced by what they cost the host:
+the tree stage nothing (it runs in the draft graph's tail), the accept stage one replay (its
+inputs and outputs live in fixed buffers): the ops counted are the ones DDTREE adds to DFLASH's
+step.  Ops are counted with a TorchDispatchMode (every aten op, views included: a view costs no
+launch on the GPU but host time all the same).
 """
 
 from __future__ import annotations
@@ -49,27 +50,18 @@ class OpCounter(TorchDispatchMode):
 
 
 class ReplayStandIn:
-    """A graphed stage as the host sees a replay: the inputs copied into static buffers, the
-    outputs cloned out (graphed.GraphedFunction._replay), the graph itself one launch (counted
-    once).  The stage runs once per input shape, not counted, for its outputs."""
+    """A captured graph as the host sees its replay: one launch (counted once).  What the graph
+    computes runs once, uncounted, for its outputs: on a GPU the host pays nothing for it."""
 
-    def __init__(self, fn: Callable[..., tuple], counter: OpCounter) -> None:
-        self.fn, self.counter, self.enabled = fn, counter, False
-        self._cache: dict[tuple, tuple] = {}
+    def __init__(self, fn: Callable[[], None], counter: OpCounter) -> None:
+        self.fn, self.counter, self.ran = fn, counter, False
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple:
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        if key not in self._cache:
+    def replay(self) -> None:
+        if not self.ran:
             with self.counter.pause():
-                self._cache[key] = ([t.clone() for t in inputs], tuple(self.fn(*inputs)))
-        static_in, out = self._cache[key]
-        for dst, src in zip(static_in, inputs):
-            dst.copy_(src)
-        self.counter.count += 1  # graph.replay()
-        return tuple(t.clone() for t in out)
-
-    def freeze(self) -> None:
-        pass
+                self.fn()
+            self.ran = True
+        self.counter.count += 1
 
 
 def _paused(counter: OpCounter, fn: Callable, launches: int = 0) -> Callable:
@@ -150,6 +142,7 @@ def build_step(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCo
     from ddtree_sglang.kernels.choice import Kernels
     from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget
     from ddtree_sglang.sglang_plugin.decode_step import DecodeStep
+    from ddtree_sglang.sglang_plugin import graphed_stages
     from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages
     from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
     from ddtree_sglang.sglang_plugin.model_io import DFlashModelIO, draft_logits
@@ -161,13 +154,28 @@ def build_step(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCo
     lm_head = SimpleNamespace(weight=torch.randn(VOCAB, HIDDEN))
     stages = GraphedStages(Kernels(), budget, BLOCK - 1, BLOCK,
                            lambda h: draft_logits(lm_head, h, VOCAB), settings.budgets,
-                           graphed=False)
-    stages.tree = ReplayStandIn(stages._tree, counter)
-    stages.accept = ReplayStandIn(stages._accept, counter)
+                           max_bs=bs_max, hidden_size=HIDDEN)
+    saved = graphed_stages.capture_graph, torch.cuda.graph_pool_handle
+    graphed_stages.capture_graph = lambda fn, pool: ReplayStandIn(fn, counter)
+    torch.cuda.graph_pool_handle = lambda: None
+    try:
+        stages.accept.capture(range(1, bs_max + 1))
+    finally:
+        graphed_stages.capture_graph, torch.cuda.graph_pool_handle = saved
     worker = fake_worker(bs_max, counter)
     hidden = torch.randn(bs_max, BLOCK, HIDDEN)
     io = DFlashModelIO(worker, Kernels(), BLOCK, budget + 1, VOCAB)
-    io.draft_block = _paused(counter, lambda batch, d: hidden[: len(batch.seq_lens)], 1)
+    trees: dict[int, tuple] = {}
+
+    def draft_block(batch, draft_input):  # the draft graph, its tail building the trees
+        bs = len(batch.seq_lens)
+        if bs not in trees:  # what the tail computes, once: on a GPU the host pays nothing
+            trees[bs] = stages.tree._tree(hidden[:bs, 1:], draft_input.bonus_tokens,
+                                          batch.seq_lens)
+            stages.tree.out.write(trees[bs], bs)
+        return hidden[:bs], True
+
+    io.draft_block = _paused(counter, draft_block, 1)
     io._kv_move_buffers = ("ptrs", "row bytes", 0)
     io.kernels = SimpleNamespace(move_kv_rows=_paused(counter, lambda *a: None, 1))
     controller = None

@@ -137,6 +137,7 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.spec_utils.GrammarTree.from_device":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
+    "sglang.srt.speculative.eagle_utils.TreeMaskMode.FULL_MASK": (),
     # SGLang's profiler spans and asynchronous NaN / Inf checks (decode_step.py)
     "sglang.srt.speculative.spec_utils.spec_stage_span": ("name",),
     "sglang.srt.utils.async_probe.maybe_detect_nan": ("tensor", "msg"),
@@ -201,6 +202,14 @@ SOURCE_LINES: dict[str, tuple[str, str]] = {
     ".capture_one_shape":
         ("capture_hook(self, out, forward_batch, num_tokens)",
          "capture tail hooks run inside each decode graph's capture"),
+    # the tree stage writes the verify mask's ancestor blocks into the Triton backend's own
+    # buffer (patches.write_mask_blocks): its graph replay copies the spec input's mask into
+    # that buffer (a copy of the buffer onto itself: none), and its kernels skip the prefix
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers":
+        ("custom_mask[: spec_info.custom_mask.shape[0]] = spec_info.custom_mask",
+         "a verify's mask reaches the graph through the backend's buffer"),
+    "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd":
+        ("skip_prefix_custom_mask=True,", "a tree verify's mask prefix is never read"),
 }
 
 # Attributes the plugin reads on instances of these classes (their own or inherited).
@@ -263,6 +272,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         ("_graphs",),
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool":
         ("data_ptrs", "data_strides", "page_size"),
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend": ("verify_mask",),
+    "sglang.srt.layers.attention.verify_mask.VerifyMask": ("buffer", "mode", "max_bs", "is_read"),
     "sglang.srt.distributed.parallel_state.GroupCoordinator": ("world_size",),
     "sglang.srt.layers.vocab_parallel_embedding.VocabParallelEmbeddingShardIndices":
         ("org_vocab_start_index", "num_org_elements", "num_added_elements"),

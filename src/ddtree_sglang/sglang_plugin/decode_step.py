@@ -202,7 +202,8 @@ class DecodeStep:
         verify_runtime), and the grammar's part of the step, built on the host while that
         pass runs."""
         logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
-            batch, plan.draft_input, tree.layout, tree.mask_positions)
+            batch, plan.draft_input, tree.layout, tree.mask_positions,
+            self.stages.tree.mask_buffer(plan.width, plan.bs))
         sg.detect_nan(logits_output.next_token_logits, "DDTREE verify logits")
         grammar = None
         if tree.grammar_tree is not None:

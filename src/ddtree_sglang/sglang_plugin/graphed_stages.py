@@ -5,8 +5,11 @@ Tree stage (tree/stages.tree_stage): drafter states -> the B-best tree's verify 
 candidate width, the mask positions, the candidates' expected acceptance and the lengths.  Where
 SGLang captures the drafter's CUDA graphs it runs inside them, after the drafter's last layer:
 `TreeStage.tail_hook` is a capture tail hook of the draft model runner (the mechanism DFLASH
-uses to fold its draft sampler into the same graph), writing into `TreeStage.out`.  A draft
-forward that ran eagerly, and a step whose trees a grammar's forced spine roots, run it through
+uses to fold its draft sampler into the same graph), writing into `TreeStage.out`, and writing
+each width's ancestor blocks straight into that width's target attention backend's verify-mask
+buffer (`set_mask_targets`), where SGLang's Triton backend reads them: the verify builds no
+mask and copies none (EAGLE fills the same buffer in place after its draft).  A draft forward
+that ran eagerly, and a step whose trees a grammar's forced spine roots, run it through
 `TreeStage.run` into the same buffers.
 
 Accept stage (tree/stages.commit_stage): the target's choices -> StepCommit and CommitSlots.  A
@@ -31,6 +34,7 @@ import torch
 from ddtree_sglang.grammar.forcing import force_draft_logits
 from ddtree_sglang.kernels.choice import Kernels
 from ddtree_sglang.kernels.graphed import GraphedFunction, capture_graph
+from ddtree_sglang.sglang_plugin import patches
 from ddtree_sglang.tree.stages import (CommitSlots, StepCommit, TreeStageOutput, commit_stage,
                                        tree_stage, unpack_commit_stage, unpack_tree_stage,
                                        verify_widths)
@@ -86,7 +90,31 @@ class TreeStage:
                                         device=device),
                             torch.zeros(SAMPLE_BS, dtype=torch.long, device=device),
                             torch.ones(SAMPLE_BS, dtype=torch.long, device=device))
-        self.out = StaticOutputs(sample, max_bs)
+        self.out = StaticOutputs(sample, max(max_bs, SAMPLE_BS))
+        self._views: dict[int, TreeStageOutput] = {}
+        self.mask_targets: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def set_mask_targets(self, targets: dict[int, tuple[torch.Tensor, int]]) -> None:
+        """width -> (a target backend's flat verify-mask buffer, the most requests it holds):
+        the stage writes each width's ancestor blocks there (only the blocks: the backends
+        that take such a buffer never read a mask's prefix part).  Set before the draft graphs
+        are captured; only widths whose mask positions the stage computes."""
+        self.mask_targets = {w: target for w, target in targets.items()
+                             if w in unpack_tree_stage(self.out.read(SAMPLE_BS), self.budget,
+                                                       self.candidates).mask_positions}
+
+    def mask_buffer(self, width: int, bs: int) -> torch.Tensor | None:
+        """The backend buffer holding this step's mask at `width`, or None (the verify then
+        builds the mask)."""
+        target = self.mask_targets.get(width)
+        return target[0] if target is not None and bs <= target[1] else None
+
+    def _write_masks(self, outputs: tuple, bs: int) -> None:
+        out = unpack_tree_stage(outputs, self.budget, self.candidates)
+        for width, (buffer, max_bs) in self.mask_targets.items():
+            if bs <= max_bs:
+                patches.write_mask_blocks(buffer, out.mask_positions[width],
+                                          out.layouts[width].ancestors)
 
     def _tree(self, draft_hidden: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
               forced: torch.Tensor | None = None) -> tuple:
@@ -109,18 +137,27 @@ class TreeStage:
         bs = num_tokens // self.block
         roots = forward_batch.input_ids.view(bs, self.block)[:, 0].long()
         states = hidden.view(bs, self.block, -1)[:, 1:, :]
-        self.out.write(self._tree(states, roots, forward_batch.seq_lens[:bs].long()), bs)
+        outputs = self._tree(states, roots, forward_batch.seq_lens[:bs].long())
+        self.out.write(outputs, bs)
+        self._write_masks(outputs, bs)
 
     def run(self, draft_hidden: torch.Tensor, roots: torch.Tensor, seq_lens: torch.Tensor,
             forced: torch.Tensor | None = None) -> None:
         """The stage outside the draft graph, into `out` (a draft forward that ran eagerly, a
         forced spine)."""
         inputs = (draft_hidden, roots.long(), seq_lens.long())
-        self.out.write(self.graphed(*inputs, *(() if forced is None else (forced,))),
-                       draft_hidden.shape[0])
+        outputs = self.graphed(*inputs, *(() if forced is None else (forced,)))
+        self.out.write(outputs, draft_hidden.shape[0])
+        self._write_masks(outputs, draft_hidden.shape[0])
 
     def read(self, bs: int) -> TreeStageOutput:
-        return unpack_tree_stage(self.out.read(bs), self.budget, self.candidates)
+        """The results of the last `bs`-request call, as views of the buffers (the same view
+        objects every time: the step takes them with no tensor op)."""
+        views = self._views.get(bs)
+        if views is None:
+            views = self._views[bs] = unpack_tree_stage(self.out.read(bs), self.budget,
+                                                        self.candidates)
+        return views
 
 
 class AcceptStage:
@@ -135,16 +172,25 @@ class AcceptStage:
         device = tree.out.buffers[0].device
         self.choice = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
-        sample = self._accept(SAMPLE_BS, tree.widths[0])
-        self.ring = tuple(StaticOutputs(sample, tree.out.max_bs) for _ in range(2))
+        # Views handed to the step, made once per shape: (bs, width[, slot]) -> views.
+        self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._outputs: dict[tuple[int, int, int], tuple[StepCommit, CommitSlots]] = {}
+        self._padded: dict[tuple[int, int, int], int | None] = {}
+        # The ring per verify width (a narrow verify moves fewer KV rows): width -> 2 slots.
+        self.ring = {w: tuple(StaticOutputs(self._accept(SAMPLE_BS, w), tree.out.max_bs)
+                              for _ in range(2)) for w in tree.widths}
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._slot = 0
 
     def inputs(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([bs, width] choice, [bs * width] KV slots): where the step writes this step's
-        target choices and verify slots."""
-        return self.choice[: bs * width].view(bs, width), self.slots[: bs * width]
+        target choices and verify slots (the same view objects every time)."""
+        views = self._inputs.get((bs, width))
+        if views is None:
+            views = self._inputs[(bs, width)] = (self.choice[: bs * width].view(bs, width),
+                                                 self.slots[: bs * width])
+        return views
 
     def _accept(self, bs: int, width: int) -> tuple:
         tree = self.tree.read(bs)
@@ -157,13 +203,20 @@ class AcceptStage:
     def run(self, bs: int, width: int) -> tuple[StepCommit, CommitSlots]:
         """The walk and the commit's slots of this step's `bs` requests at `width`."""
         slot, self._slot = self._slot, self._slot ^ 1
-        padded = self._captured_size(bs, width, slot)
+        key = (bs, width, slot)
+        padded = self._padded.get(key, -1) if self.frozen else self._captured_size(*key)
+        if padded == -1:
+            padded = self._padded[key] = self._captured_size(*key)
         if padded is None:
             return unpack_commit_stage(self._accept(bs, width))
         self._graphs[(padded, width, slot)].replay()
-        return unpack_commit_stage(self.ring[slot].read(bs))
+        outputs = self._outputs.get(key)
+        if outputs is None:
+            outputs = self._outputs[key] = unpack_commit_stage(self.ring[width][slot].read(bs))
+        return outputs
 
     def _captured_size(self, bs: int, width: int, slot: int) -> int | None:
+        """The smallest captured batch size >= bs of this width and slot, or None."""
         if not self.enabled:
             return None
         if (bs, width, slot) in self._graphs:
@@ -178,7 +231,7 @@ class AcceptStage:
             for width in self.tree.widths:
                 for slot in range(2):
                     def step(bs=bs, width=width, slot=slot) -> None:
-                        self.ring[slot].write(self._accept(bs, width), bs)
+                        self.ring[width][slot].write(self._accept(bs, width), bs)
 
                     self._pool = self._pool or torch.cuda.graph_pool_handle()
                     self._graphs[(bs, width, slot)] = capture_graph(step, self._pool)

@@ -35,8 +35,8 @@ class ModelIO(Protocol):
 
     def draft_block(self, batch, draft_input) -> tuple[torch.Tensor, bool]: ...
 
-    def target_verify(self, batch, draft_input, layout,
-                      mask_positions=None) -> tuple[Any, Any, bool, torch.Tensor]: ...
+    def target_verify(self, batch, draft_input, layout, mask_positions=None,
+                      mask_buffer=None) -> tuple[Any, Any, bool, torch.Tensor]: ...
 
     def move_accepted_kv(self, batch, step: StepCommit, slots: CommitSlots) -> None: ...
 
@@ -122,12 +122,14 @@ class DFlashModelIO:
             raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states")
         return hidden.view(bs, block, -1), bool(out.can_run_graph and self.tree_in_draft_graph)
 
-    def target_verify(self, batch, draft_input, layout,
-                      mask_positions=None) -> tuple[Any, Any, bool, torch.Tensor]:
+    def target_verify(self, batch, draft_input, layout, mask_positions=None,
+                      mask_buffer=None) -> tuple[Any, Any, bool, torch.Tensor]:
         """The target's TARGET_VERIFY pass over the tree layout through SGLang's EAGLE verify
         input (its CUDA graph where one fits) -> (logits output, forward batch, graphed, the
-        tree tokens' KV slots); `mask_positions`: the tree stage's placement of the ancestor
-        blocks in the flat mask (else computed here).
+        tree tokens' KV slots).  The mask: `mask_buffer`, the target backend's own buffer that
+        the tree stage filled (SGLang's replay then copies nothing: the buffer is its own
+        source), else built here, its ancestor blocks placed at `mask_positions` (the tree
+        stage's; else computed here).
 
         SGLang's verify preparation works on the batch, as it does for DFLASH: it reads the
         verify input from batch.spec_info (set here, and left there as DFLASH leaves it) and
@@ -136,7 +138,8 @@ class DFlashModelIO:
         n = layout.num_tokens_per_req  # this step's width (the bound: the widest step)
         seq_lens_cpu, seq_lens_sum = self.host_seq_lens_bound(batch, draft_input,
                                                               self.verify_width)
-        mask = full_mask(layout.ancestors, batch.seq_lens, seq_lens_sum, mask_positions)
+        mask = mask_buffer if mask_buffer is not None else full_mask(
+            layout.ancestors, batch.seq_lens, seq_lens_sum, mask_positions)
         verify_input = sg.EagleVerifyInput(
             draft_token=layout.draft_tokens, custom_mask=mask, positions=layout.positions,
             retrieve_index=layout.retrieve_index,

@@ -61,6 +61,16 @@ def add_capture_tail_hook(model_runner, hook) -> None:
     model_runner.capture_tail_hooks.append(hook)
 
 
+def write_mask_blocks(buffer, positions, ancestors) -> None:
+    """Each request's [n, n] ancestor block into a target attention backend's flat verify-mask
+    buffer (SGLang 0.5.17's VerifyMask.buffer, FULL_MASK layout: request r's block of n rows of
+    seq_len + n, its tree part at each row's end), at `positions` (tree.verify_layout.
+    mask_positions).  The prefix cells are left as they are: the Triton backend's kernels skip
+    a tree verify's prefix part (contract.SOURCE_LINES); EAGLE writes this buffer in place after
+    its draft the same way."""
+    buffer.index_put_((positions.reshape(-1),), ancestors.reshape(-1).to(buffer.dtype))
+
+
 def declare_server_args(server_args, fields: dict) -> None:
     """Set server arguments from inside SGLang's argument resolution.
 

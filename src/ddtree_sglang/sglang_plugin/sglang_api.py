@@ -45,7 +45,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import (build_block_pos_offsets,
                                                         make_draft_block_spec_info)
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
-from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
+from sglang.srt.speculative.eagle_utils import TreeMaskMode, eagle_prepare_for_verify
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 from sglang.srt.speculative.spec_utils import (GrammarTree, move_accept_tokens_to_target_kvcache,
@@ -125,6 +125,18 @@ def kv_move_buffers(allocator):
     rows = pool._slot_move_pointer_buffers()
     max_bytes = max(int(x[0].numel()) * x.element_size() for x in rows)
     return pool.data_ptrs, pool.data_strides, max_bytes
+
+
+def verify_mask_target(backend) -> tuple | None:
+    """(flat verify-mask buffer, the most requests it holds) of a target attention backend
+    whose verify reads a mask buffer it owns and skips the mask's prefix part (SGLang's Triton
+    backend, VerifyMask in FULL_MASK layout), or None."""
+    if not isinstance(backend, TritonAttnBackend):
+        return None
+    mask = backend.verify_mask
+    if mask is None or not mask.is_read or mask.mode != TreeMaskMode.FULL_MASK:
+        return None
+    return mask.buffer, int(mask.max_bs)
 
 
 def is_triton_attention(backend) -> bool:

@@ -130,19 +130,23 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         return int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
 
     def init_cuda_graphs(self):
-        """The tree stage's own graphs (if the batch sizes were unknown before) and its tail
-        hook on the draft runner, SGLang's graphs (the drafter's now end in the tree stage),
-        the batch-aware budget's per-width runtimes, and the decode step over them."""
+        """SGLang's target graphs exist by now: the batch-aware budget's per-width runtimes,
+        then the tree stage's own graphs (if the batch sizes were unknown before), its tail
+        hook on the draft runner and its mask targets (each width's Triton backend buffer),
+        then SGLang's draft graphs (which now end in the tree stage), and the decode step."""
         if not self.ddtree_graphs_done:
             self.ddtree_graphs_done = self._capture_tree_graphs("after the KV pool")
-        stages = self.ddtree_stages
+        s, stages = self.ddtree_settings, self.ddtree_stages
+        serving_budget = self._build_serving_budget() if len(s.budgets) > 1 else None
+        runtimes = serving_budget.runtimes if serving_budget is not None else {
+            s.verify_width: sg.verify_runtime(self.target_worker.model_runner)}
         if stages.tree.graphed.enabled and stages.tree.graphed.captured_sizes:
             # Checked capture-safe in a graph of its own above, so SGLang's captures hold it.
+            stages.tree.set_mask_targets({w: target for w, (backend, _) in runtimes.items()
+                                          if (target := sg.verify_mask_target(backend))})
             patches.add_capture_tail_hook(self.draft_model_runner, stages.tree.tail_hook)
             self.ddtree_tail_installed = True
         super().init_cuda_graphs()
-        s = self.ddtree_settings
-        serving_budget = self._build_serving_budget() if len(s.budgets) > 1 else None
         clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
         rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
         io = DFlashModelIO(self, self.ddtree_kernels, s.block_size, s.verify_width,
@@ -151,9 +155,11 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                                       PenaltyState(rows, self.ddtree_vocab_size, self.device),
                                       MaskCosts(), serving_budget, clock)
         if self.ps.tp_rank == 0:
-            logger.info("DDTREE tree stage %s", "inside the drafter's CUDA graphs"
+            logger.info("DDTREE tree stage %s; verify masks written into the backend's buffer "
+                        "at widths %s", "inside the drafter's CUDA graphs"
                         if self.ddtree_tail_installed else "outside the drafter's graphs "
-                        "(its own graph per batch size, or eager)")
+                        "(its own graph per batch size, or eager)",
+                        sorted(stages.tree.mask_targets) or "none")
 
     def _build_serving_budget(self) -> ServingBudget | None:
         variant = self.ddtree_kernels.verify_attention
