@@ -45,3 +45,19 @@ def test_token_zero_is_a_real_token():
     depths = torch.tensor([[0, 1, 2]])
     acc = accept_tree(tokens, parents, depths, torch.tensor([[0, 0, 3]]), max_depth=2)
     assert acc.accept_len.tolist() == [3] and acc.bonus.tolist() == [3]
+
+
+def test_a_forced_acceptance_takes_the_tree_s_best_path():
+    """SGLANG_SIMULATE_ACC_LEN's walk: the first-child chain from the root, cut at the forced
+    commit length or at the path's end, the bonus being the target's choice at its last node."""
+    from ddtree_sglang.tree.acceptance import best_path_acceptance
+
+    # root 0 -> {1, 2}; 1 -> {3, 4}; 3 -> {5}; the choices would accept nothing
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 3)
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * 3)
+    choice = torch.tensor([[7, 8, 9, 6, 5, 4]] * 3)
+    acc = best_path_acceptance(parents, depths, choice, 3, torch.tensor([1, 3, 9]))
+    assert acc.accept_len.tolist() == [1, 3, 4]
+    assert acc.accept_path.tolist() == [[0, -1, -1, -1], [0, 1, 3, -1], [0, 1, 3, 5]]
+    assert acc.bonus.tolist() == [7, 6, 4]
+    assert acc.accepted[1].tolist() == [True, True, False, True, False, False]

@@ -507,3 +507,32 @@ def test_per_node_sampling_draws_each_row_with_its_request_s_settings():
     assert torch.equal(some, got[rows])
     greedy = SimpleNamespace(is_all_greedy=True)
     assert torch.equal(wmod.sample_per_node(logits, greedy, n), logits.argmax(-1))
+
+
+def test_a_simulated_acceptance_commits_the_forced_length_along_the_best_path(monkeypatch):
+    """SGLANG_SIMULATE_ACC_LEN (SGLang's benchmark knob, honoured as its DFLASH does): every
+    request commits the length drawn for the step, along its tree's first-child chain, the
+    bonus being the target's choice there ("real-draft-token") or SGLang's fixed id."""
+    for mode, fixed in (("real-draft-token", None), ("fixed", 100)):
+        settings = DDTreeSettings.from_values(B, BLOCK, environ={"SGLANG_DDTREE_BUDGETS": "off"})
+        stages = GraphedStages(Kernels(), B, BLOCK - 1, BLOCK,
+                               functools.partial(draft_logits, LM_HEAD, vocab_size=V),
+                               settings.budgets, max_bs=6, hidden_size=H, graphed=False,
+                               simulated=(2.5, mode))
+        w = wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
+                            MaskCosts())
+        monkeypatch.setattr(sg, "simulated_commit_len", lambda mean, max_len: 3)
+        batch = make_batch()
+        tree = drafted(w, batch, plan_of(batch))
+        logits = torch.randn(2 * (B + 1), V)
+        verified = Verified(None, logits.clone(), None, True, None, torch.arange(2 * (B + 1)))
+        acc = w.sample_and_accept(batch, plan_of(batch), tree, verified)
+        assert acc.commit.commit_lens.tolist() == [3, 3]
+        lay = tree.layout
+        for r in range(2):
+            first = lay.retrieve_next_token[r]
+            path = [0, int(first[0]), int(first[int(first[0])])]
+            toks = lay.draft_tokens.view(2, B + 1)[r]
+            want = [int(toks[path[1]]), int(toks[path[2]]),
+                    int(logits.view(2, B + 1, V)[r, path[2]].argmax())]
+            assert acc.commit.tokens[r, :3].tolist() == (want if fixed is None else [fixed] * 3)

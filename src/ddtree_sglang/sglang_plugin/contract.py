@@ -138,6 +138,12 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
     "sglang.srt.speculative.eagle_utils.TreeMaskMode.FULL_MASK": (),
+    # SGLANG_SIMULATE_ACC_LEN, honoured as DFLASH honours it (decode_step.py)
+    "sglang.srt.speculative.spec_utils.SIMULATE_ACC_LEN": (),
+    "sglang.srt.speculative.spec_utils.SIMULATE_ACC_METHOD": (),
+    "sglang.srt.speculative.spec_utils.SIMULATE_ACC_TOKEN_MODE": (),
+    "sglang.srt.speculative.spec_utils._sample_simulated_acc_len":
+        ("simulate_acc_len", "simulate_acc_method", "max_len"),
     # SGLang's profiler spans and asynchronous NaN / Inf checks (decode_step.py)
     "sglang.srt.speculative.spec_utils.spec_stage_span": ("name",),
     "sglang.srt.utils.async_probe.maybe_detect_nan": ("tensor", "msg"),

@@ -250,6 +250,10 @@ class DecodeStep:
         if choice.data_ptr() != choice_in.data_ptr():  # sampled or walked: a tensor of its own
             choice_in.copy_(choice)
         slots_in.copy_(verified.out_cache_loc)
+        simulated = self.stages.accept.simulated
+        if simulated is not None:  # SGLANG_SIMULATE_ACC_LEN: this step's forced commit length
+            self.stages.accept.forced_len.fill_(sg.simulated_commit_len(simulated[0],
+                                                                        self.out_width))
         commit, slots = self.stages.accept.run(bs, n)
         return Accepted(choice=choice_in, commit=commit, slots=slots, penalties=penalties,
                         logits=logits)

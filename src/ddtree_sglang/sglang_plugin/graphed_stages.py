@@ -36,8 +36,8 @@ from ddtree_sglang.kernels.choice import Kernels
 from ddtree_sglang.kernels.graphed import GraphedFunction, capture_graph
 from ddtree_sglang.sglang_plugin import patches
 from ddtree_sglang.tree.stages import (CommitSlots, StepCommit, TreeStageOutput, commit_stage,
-                                       tree_stage, unpack_commit_stage, unpack_tree_stage,
-                                       verify_widths)
+                                       forced_accept_stage, tree_stage, unpack_commit_stage,
+                                       unpack_tree_stage, verify_widths)
 
 logger = logging.getLogger(__name__)
 SAMPLE_BS = 2  # the batch size the buffers' shapes are read from
@@ -165,13 +165,19 @@ class AcceptStage:
     step writes each node's choice and KV slot into `inputs(bs, width)` and calls `run`."""
 
     def __init__(self, kernels: Kernels, tree: TreeStage, out_width: int,
-                 graphed: bool = True) -> None:
+                 graphed: bool = True, simulated: tuple[float, str] | None = None) -> None:
         self.kernels, self.tree, self.out_width = kernels, tree, out_width
         self.enabled, self.frozen = graphed, False
         rows = tree.out.max_bs * max(tree.widths)
         device = tree.out.buffers[0].device
         self.choice = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
+        # SGLANG_SIMULATE_ACC_LEN (sglang_api.simulated_acceptance): the walk takes the tree's
+        # best path for the commit length the step writes into `forced_len`.
+        self.simulated = simulated
+        self.forced_len = torch.ones(tree.out.max_bs, dtype=torch.long, device=device)
+        self._walk = kernels.accept_stage if simulated is None else forced_accept_stage(
+            self.forced_len, 100 if simulated[1] == "fixed" else None)
         # Views handed to the step, made once per shape: (bs, width[, slot]) -> views.
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._outputs: dict[tuple[int, int, int], tuple[StepCommit, CommitSlots]] = {}
@@ -196,7 +202,7 @@ class AcceptStage:
         tree = self.tree.read(bs)
         lay = tree.layouts[width]
         choice, slots = self.inputs(bs, width)
-        return commit_stage(self.kernels.accept_stage, lay.draft_tokens.view(bs, width),
+        return commit_stage(self._walk, lay.draft_tokens.view(bs, width),
                             lay.tree_parents, lay.tree_depths, choice, slots.view(bs, width),
                             tree.seq_lens, self.tree.depth, self.out_width)
 
@@ -247,10 +253,11 @@ class GraphedStages:
     def __init__(self, kernels: Kernels, budget: int, depth: int, out_width: int,
                  draft_logits: Callable[[torch.Tensor], torch.Tensor],
                  budgets: Sequence[int] = (), max_bs: int = 64, hidden_size: int = 0,
-                 dtype: torch.dtype = torch.float32, device="cpu", graphed: bool = True) -> None:
+                 dtype: torch.dtype = torch.float32, device="cpu", graphed: bool = True,
+                 simulated: tuple[float, str] | None = None) -> None:
         self.tree = TreeStage(kernels, budget, depth, draft_logits, tuple(budgets) or (budget,),
                               max_bs, hidden_size, dtype, device, graphed)
-        self.accept = AcceptStage(kernels, self.tree, out_width, graphed)
+        self.accept = AcceptStage(kernels, self.tree, out_width, graphed, simulated)
         self.widths = self.tree.widths
 
     def disable_graphs(self) -> None:

@@ -48,7 +48,10 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import TreeMaskMode, eagle_prepare_for_verify
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
-from sglang.srt.speculative.spec_utils import (GrammarTree, move_accept_tokens_to_target_kvcache,
+from sglang.srt.speculative.spec_utils import (SIMULATE_ACC_LEN, SIMULATE_ACC_METHOD,
+                                               SIMULATE_ACC_TOKEN_MODE, GrammarTree,
+                                               _sample_simulated_acc_len,
+                                               move_accept_tokens_to_target_kvcache,
                                                spec_stage_span, traverse_tree)
 from sglang.srt.utils.async_probe import maybe_detect_inf, maybe_detect_nan
 
@@ -63,6 +66,23 @@ __all__ = [  # the names the plugin uses as sg.<name>, beside the functions belo
     "merge_state_triton", "move_accept_tokens_to_target_kvcache", "prepare_dflash_draft_block",
     "run_post_process_pass", "traverse_tree",
 ]
+
+
+def simulated_acceptance() -> tuple[float, str] | None:
+    """SGLang's benchmark knob SGLANG_SIMULATE_ACC_LEN, as its DFLASH reads it: (the mean
+    committed length, the token mode "fixed" or "real-draft-token"), or None when off."""
+    if SIMULATE_ACC_LEN <= 0:
+        return None
+    if SIMULATE_ACC_TOKEN_MODE not in ("fixed", "real-draft-token"):
+        raise ValueError(f"SGLANG_SIMULATE_ACC_TOKEN_MODE={SIMULATE_ACC_TOKEN_MODE!r} is not "
+                         "accepted; accepted: fixed, real-draft-token")
+    return float(SIMULATE_ACC_LEN), SIMULATE_ACC_TOKEN_MODE
+
+
+def simulated_commit_len(mean: float, max_len: int) -> int:
+    """This step's forced commit length in [1, max_len], drawn as SGLang draws DFLASH's
+    (SGLANG_SIMULATE_ACC_METHOD)."""
+    return int(_sample_simulated_acc_len(mean, SIMULATE_ACC_METHOD, max_len))
 
 
 def stage_span(name: str):

@@ -67,7 +67,8 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
             tuple(s.budgets), max_bs=self._max_batch_size(),
             hidden_size=self.draft_model_runner.model_config.hidden_size,
-            dtype=self.draft_model_runner.model_config.dtype, device=self.device)
+            dtype=self.draft_model_runner.model_config.dtype, device=self.device,
+            simulated=sg.simulated_acceptance())
         self.ddtree_step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
         self.ddtree_tail_installed = False
         patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)

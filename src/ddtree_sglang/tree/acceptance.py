@@ -65,3 +65,33 @@ def committed_tokens(draft_tokens: torch.Tensor, acc: Acceptance) -> torch.Tenso
     out[:, : width - 1] = torch.where(nodes >= 0, toks, out[:, : width - 1])
     out.scatter_(1, (acc.accept_len - 1).unsqueeze(1), acc.bonus.unsqueeze(1))
     return out
+
+
+def best_path_acceptance(parents: torch.Tensor, depths: torch.Tensor,
+                         target_choice: torch.Tensor, max_depth: int,
+                         forced_len: torch.Tensor) -> Acceptance:
+    """A benchmark's forced acceptance (SGLang's SGLANG_SIMULATE_ACC_LEN): each request
+    accepts the tree's best path, the first-child chain from the root (the builder's nodes are
+    best first), for forced_len [bs] - 1 nodes or to the path's end; the bonus is the target's
+    choice at the last accepted node.  Not the target's output: a way to serve models whose
+    drafts nobody would accept (random weights) at a published acceptance."""
+    bs, n = parents.shape
+    device = parents.device
+    idx = torch.arange(n, device=device).expand(bs, n)
+    first_child = torch.full((bs, n + 1), n, dtype=torch.long, device=device)
+    first_child.scatter_reduce_(1, (parents + 1).clamp(min=0), idx, reduce="amin")
+    first_child = first_child[:, 1:]  # column p holds the first child of p (n: none)
+    node = torch.zeros(bs, dtype=torch.long, device=device)
+    alive = torch.ones(bs, dtype=torch.bool, device=device)
+    path = torch.full((bs, max_depth + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    for d in range(1, max_depth + 1):
+        child = first_child.gather(1, node.unsqueeze(1)).squeeze(1)
+        alive = alive & (child < n) & (d < forced_len)
+        node = torch.where(alive, child, node)
+        path[:, d] = torch.where(alive, child, torch.full_like(child, -1))
+    accept_len = (path >= 0).sum(dim=1)
+    accepted = torch.zeros((bs, n), dtype=torch.bool, device=device)
+    accepted.scatter_(1, path.clamp(min=0), True)  # -1 entries mark the root, accepted anyway
+    bonus = target_choice.gather(1, node.unsqueeze(1)).squeeze(1)
+    return Acceptance(accept_path=path, accept_len=accept_len, bonus=bonus, accepted=accepted)

@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from ddtree_sglang.tree.acceptance import accept_tree, committed_tokens
+from ddtree_sglang.tree.acceptance import (Acceptance, accept_tree, best_path_acceptance,
+                                           committed_tokens)
 from ddtree_sglang.budget.controller import expected_by_depth_per_request
 from ddtree_sglang.tree.draft_tree import DraftTree
 from ddtree_sglang.tree.verify_layout import (VerifyLayout, build_verify_layout, full_mask,
@@ -131,8 +132,31 @@ class StepCommit:
 def accept_stage(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                  choice: torch.Tensor, depth: int, out_width: int) -> tuple:
     """Walk the trees along the target's choices; returns the StepCommit fields as a tuple."""
+    return step_commit_fields(tokens, accept_tree(tokens, parents, depths, choice,
+                                                  max_depth=depth), out_width)
+
+
+def forced_accept_stage(forced_len: torch.Tensor,
+                        fixed_token: int | None = None) -> Callable[..., tuple]:
+    """accept_stage's twin for a benchmark's forced acceptance (best_path_acceptance): the
+    commit lengths come from `forced_len` [>= bs] (a fixed-address tensor the caller fills
+    each step), the path is the tree's best; with `fixed_token` every committed token is that
+    id (SGLang's "fixed" token mode), else the path's tokens and the target's bonus."""
+    def stage(tokens, parents, depths, choice, depth: int, out_width: int) -> tuple:
+        forced = forced_len[: tokens.shape[0]]
+        out = step_commit_fields(tokens, best_path_acceptance(parents, depths, choice, depth,
+                                                              forced), out_width)
+        if fixed_token is None:
+            return out
+        commit_lens, accept_index, feature_rows, bonus, committed = out
+        return (commit_lens, accept_index, feature_rows, torch.full_like(bonus, fixed_token),
+                torch.full_like(committed, fixed_token))
+    return stage
+
+
+def step_commit_fields(tokens: torch.Tensor, acc: Acceptance, out_width: int) -> tuple:
+    """A walk's Acceptance -> the StepCommit fields as a tuple."""
     bs, n = tokens.shape
-    acc = accept_tree(tokens, parents, depths, choice, max_depth=depth)
     path = acc.accept_path[:, :out_width]
     rows = torch.arange(bs, device=tokens.device).unsqueeze(1) * n
     accept_index = torch.where(path >= 0, path + rows, torch.full_like(path, -1))
