@@ -127,8 +127,11 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                         "online softmax, kernels/tree_attention.py)")
 
     def _max_batch_size(self) -> int:
-        """The most requests a decode batch can hold: the request pool's rows."""
-        return int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
+        """The most requests a decode batch or a captured draft graph holds: the request pool's
+        rows, or the largest decode graph's batch size (SGLang pads a batch up to it)."""
+        decode = sg.decode_graph_config()
+        graphs = max(decode.bs) if decode is not None and decode.bs else 0
+        return max(int(self.model_runner.req_to_token_pool.req_to_token.shape[0]), int(graphs))
 
     def init_cuda_graphs(self):
         """SGLang's target graphs exist by now: the batch-aware budget's per-width runtimes,
