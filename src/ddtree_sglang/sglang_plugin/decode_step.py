@@ -260,15 +260,17 @@ class DecodeStep:
 
     def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
                accepted: Accepted, on_publish):
-        """The accepted path's KV to its committed positions, its target features into the
-        draft KV, the committed tokens' logprobs; the step's result."""
+        """The new lengths published first (the scheduler plans the next batch while the GPU
+        runs the rest, as SGLang's spec-v2 workers publish before their draft extend), then the
+        accepted path's KV to its committed positions, its target features into the draft KV,
+        the committed tokens' logprobs; the step's result."""
         step, slots = accepted.commit, accepted.slots
-        if accepted.penalties is not None:
-            self.penalties.commit(batch.req_pool_indices, step.tokens, step.commit_lens)
         new_seq_lens = slots.new_seq_lens
-        self.io.move_accepted_kv(batch, step, slots)
         if on_publish is not None:
             on_publish(new_seq_lens)
+        if accepted.penalties is not None:
+            self.penalties.commit(batch.req_pool_indices, step.tokens, step.commit_lens)
+        self.io.move_accepted_kv(batch, step, slots)
         self.io.append_committed_features(verified.logits_output, step, slots)
         if batch.return_logprob:
             self.add_logprobs(batch, verified.logits_output, accepted.logits, step)
