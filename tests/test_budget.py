@@ -139,8 +139,10 @@ def test_truncating_the_largest_tree_gives_every_smaller_budgets_tree(seed, big,
         for name in ("tokens", "parents", "depths"):
             assert torch.equal(getattr(cut, name), getattr(built, name)), (b, name)
         assert torch.allclose(cut.scores, built.scores)
-    with pytest.raises(ValueError, match=f"1..{big}"):
+    with pytest.raises(ValueError, match=f"0..{big}"):
         truncate_tree(tree, big + 1)
+    root_only = truncate_tree(tree, 0)  # no draft: the root alone
+    assert root_only.tokens.shape == (2, 0) and root_only.budget == 0
 
 
 def test_step_costs_lookup_and_checks():
@@ -262,3 +264,28 @@ def test_first_live_step_of_each_cell_is_not_counted():
     assert costs.row_ms(24, [15, 32]) == [8.125, 8.25]
     costs.observe(24, 32, 500.0)  # the first step of each cell, not only of each row
     assert costs.row_ms(24, [15, 32]) == [8.125, 8.25]
+
+
+def test_no_speculation_is_chosen_by_measured_tokens_per_ms_and_never_on_a_guess():
+    """Budget 0 commits one token a request per step: it wins where its measured period is
+    short enough against a tree step's tokens; before its own cell is measured it costs a tree
+    step's remainder (never chosen on a guess); its steps stay out of the tree steps'
+    remainder; with it among the candidates every batch size chooses (the verify-time gate
+    cannot see the draft it saves)."""
+    from ddtree_sglang.budget.controller import BudgetController, LiveStepCosts
+
+    costs = LiveStepCosts({8: {0: 1.0, 15: 2.0}}, min_samples=2, skip_first=0)
+    ctl = BudgetController([0, 15], costs, 6, min_gain=0.03)
+    assert not ctl.engaged(8)  # no period known yet
+    for _ in range(3):
+        costs.observe(8, 15, 10.0)  # tree steps: 10 ms, remainder 8 ms
+    assert costs.rest_ms[8] == 8.0 and ctl.engaged(8)
+    assert costs.row_ms(8, [0, 15]) == [9.0, 10.0]  # 0 unmeasured: verify 1 + tree remainder
+    # 8 requests x (1 + 0.2 accepted) / 10 ms = 0.96 < 8 / 9 ms? no: 0.89; the tree wins
+    assert ctl.choose(8, [0.0, 0.2]) == 15
+    for _ in range(2):
+        costs.observe(8, 0, 4.0)  # measured: plain steps of 4 ms
+    assert costs.rest_ms[8] == 8.0  # untouched by the 0-steps
+    assert ctl.choose(8, [0.0, 0.2]) == 0  # 2.0 tokens/ms against 0.96
+    assert ctl.choose(8, [0.0, 5.0]) == 15  # a tree accepting 5 a request wins again
+    assert ctl.observe(8, 0, None, None) is None and ctl.steps[0] == 1

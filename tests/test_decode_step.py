@@ -536,3 +536,29 @@ def test_a_simulated_acceptance_commits_the_forced_length_along_the_best_path(mo
             want = [int(toks[path[1]]), int(toks[path[2]]),
                     int(logits.view(2, B + 1, V)[r, path[2]].argmax())]
             assert acc.commit.tokens[r, :3].tolist() == (want if fixed is None else [fixed] * 3)
+
+
+def test_a_step_without_speculation_drafts_nothing_and_decodes_one_token():
+    """Budget 0 (SGLANG_DDTREE_BUDGETS with 0): no drafter pass, the roots alone verify at
+    width 1, each request commits the target's own next token (plain decoding), its root's
+    features still enter the draft KV (a later step can draft again), and the budget learns
+    nothing from it."""
+    observed = []
+    w = make_step(env={"SGLANG_DDTREE_BUDGETS": "0"}, serving_budget=SimpleNamespace(
+        choose=lambda bs: 0, start_step=lambda bs, b: None,
+        observe=lambda *a: observed.append(a), runtimes={1: ("w1 backend", "w1 graphs"),
+                                                        B + 1: ("wide", "graphs")}))
+    batch = make_batch()
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
+    w.io.verify_out = SimpleNamespace(next_token_logits=logits.clone(),
+                                      hidden_states=torch.randn(2, H), customized_info=None)
+    seq = batch.seq_lens.clone()
+    result = w.run(batch)
+    assert [c[0] for c in w.io.calls] == ["verify", "move", "features"]  # no draft
+    assert w.io.calls[0][1] == ("w1 backend", "w1 graphs")  # the width-1 runtime
+    assert result.accept_lens.tolist() == [1, 1]
+    assert result.next_token_ids.view(2, BLOCK)[:, 0].tolist() == logits.argmax(-1).tolist()
+    assert torch.equal(result.new_seq_lens, seq + 1)
+    assert observed[0][:3] == (2, 0, None)  # no tree: no predictions to learn from
+    features = w.io.calls[2][1]  # the draft-KV slots: each request's root at its own slot
+    assert features[:, 0].tolist() == [100, 101]

@@ -98,3 +98,47 @@ def test_batch_aware_budget_is_lossless_and_recorded(spec):
         assert len(auto.budgets) == len(auto.accept_lens)
         assert set(auto.budgets) <= {1, 4, 16}
     assert spec.generate(prompt, 10, mode="ddtree", budget=4).budgets[0] == 4
+
+
+class Alternating:
+    """A budget controller stand-in that switches every step between no speculation (0) and
+    tree budgets, so one request moves between 0-steps and tree steps many times."""
+
+    def __init__(self, budgets: list[int]) -> None:
+        self.budgets, self.calls = budgets, 0
+
+    def calibrated(self, depth_probs):
+        return depth_probs.sum(-1).mean(0)
+
+    def choose(self, bs, expected):
+        self.calls += 1
+        return self.budgets[self.calls % len(self.budgets)]
+
+    def observe(self, *args):
+        return None
+
+
+def test_steps_without_speculation_keep_outputs_exact_across_switches(spec):
+    """Budget 0 (no speculation: the root alone, one token) between tree steps: greedy output
+    equals autoregressive decoding, and seeded sampled output equals the same request decoded
+    with trees only (every draw is a function of the seed and the position)."""
+    from ddtree_sglang.budget.controller import BudgetController
+
+    prompt = PROMPTS[1]
+    ar = spec.generate(prompt, 30, mode="ar")
+    switching = spec.generate(prompt, 30, mode="ddtree", budget=Alternating([0, 4, 0, 16]))
+    assert switching.tokens == ar.tokens
+    assert 0 in switching.budgets and 16 in switching.budgets
+    assert all(n == 1 for b, n in zip(switching.budgets, switching.accept_lens) if b == 0)
+    sampling = SamplingParams(temperature=1.0, seed=11)
+    trees = spec.generate(prompt, 30, mode="ddtree", budget=8, sampling=sampling)
+    mixed = spec.generate(prompt, 30, mode="ddtree", budget=Alternating([0, 8]),
+                          sampling=sampling)
+    assert mixed.tokens == trees.tokens
+    assert isinstance(BudgetController([0, 4], _costs(), 3), BudgetController)
+
+
+def _costs():
+    from ddtree_sglang.budget.controller import StepCosts
+
+    return StepCosts({1: {0: 1.0, 4: 1.0}})

@@ -51,7 +51,7 @@ def test_values_from_the_environment():
 
 
 @pytest.mark.parametrize("name, value, needle", [
-    ("SGLANG_DDTREE_BUDGETS", "7,40", r"BUDGETS='7,40' names a budget outside 1..32"),
+    ("SGLANG_DDTREE_BUDGETS", "7,40", r"BUDGETS='7,40' names a budget outside 0..32"),
     ("SGLANG_DDTREE_GRAMMAR", "fast", r"GRAMMAR='fast' is not accepted; accepted: tree, path, "
                                       r"auto \(default tree\)"),
     ("SGLANG_DDTREE_GRAMMAR", "python", "accepted: tree, path, auto"),
@@ -83,7 +83,8 @@ def test_budget_candidates():
     assert parse_budgets("off", 32) == (32,)
     assert parse_budgets(" 9, 4,9 ", 32) == (4, 9, 32)  # sorted, deduplicated, B added
     assert parse_budgets("4,32", 32) == (4, 32)
-    for bad, needle in (("fast", "accepted: auto .default., off"), ("0,4", "outside 1..32"),
+    assert parse_budgets("0,7", 32) == (0, 7, 32)  # 0: no speculation
+    for bad, needle in (("fast", "accepted: auto .default., off"), ("-1,4", "outside 0..32"),
                         ("", "accepted: auto"), ("4;8", "accepted: auto")):
         with pytest.raises(DDTreeConfigError, match=needle):
             parse_budgets(bad, 32)

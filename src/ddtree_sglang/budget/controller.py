@@ -44,8 +44,8 @@ def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
     scores [bs, B] best-first prefix log-probabilities (DraftTree.scores), depths [bs, B]
     (1 = child of the root).  Entry (r, i, d-1) = the probability of request r's depth-d
     prefixes among its first budgets[i] nodes, i.e. the chance that r accepts at least d
-    tokens with a tree of that budget.  Fixed shapes, no host synchronisation: an engine
-    computes it inside its tree stage."""
+    tokens with a tree of that budget (budget 0, no draft: nothing).  Fixed shapes, no host
+    synchronisation: an engine computes it inside its tree stage."""
     bs, width = scores.shape
     if max(budgets) > width:
         raise ValueError(f"budgets up to {max(budgets)} need a tree of that many nodes; got {width}")
@@ -54,7 +54,8 @@ def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
                                          max_depth).to(probs.dtype)  # [bs, B, D]
     cum = (probs.unsqueeze(-1) * onehot).cumsum(1)  # [bs, B, D]: the first b nodes
     # plain slices, no index tensor: nothing is copied from the host inside a CUDA graph
-    return torch.stack([cum[:, b - 1] for b in budgets], dim=1)
+    return torch.stack([cum[:, b - 1] if b > 0 else torch.zeros_like(cum[:, 0])
+                        for b in budgets], dim=1)
 
 
 # Candidate budgets of the batch-aware choice below the configured maximum (which is always one):
@@ -149,9 +150,9 @@ class StepCosts:
             raise ValueError("step costs need at least one batch size with at least one budget")
         for bs, row in table.items():
             for b, ms in row.items():
-                if bs < 1 or b < 1 or not ms > 0:
+                if bs < 1 or b < 0 or not ms > 0:
                     raise ValueError(f"step cost of batch {bs}, budget {b} must be a positive "
-                                     f"time at batch >= 1, budget >= 1; got {ms}")
+                                     f"time at batch >= 1, budget >= 0; got {ms}")
         self.table = {int(bs): {int(b): float(ms) for b, ms in row.items()}
                       for bs, row in table.items()}
         self.batches = sorted(self.table)
@@ -201,7 +202,10 @@ class LiveStepCosts(StepCosts):
     while other servers on the GPU were starting).
     The startup verify times come from the graphs' capture-time (short) contexts, so only live
     cells see how attention grows with the context; `least_sampled` tells an engine which
-    budget to try now and then (ServingBudget explores)."""
+    budget to try now and then (ServingBudget explores).  Budget 0 (no draft: the target
+    decodes one token) stays out of the remainders, which are a tree step's; until its own
+    cell is measured it costs what a tree step's remainder says (pessimistic: it is chosen
+    once measured cheaper, never on a guess)."""
 
     def __init__(self, table: dict[int, dict[int, float]], window: int = 15,
                  min_samples: int = 3, skip_first: int = 1) -> None:
@@ -227,9 +231,10 @@ class LiveStepCosts(StepCosts):
         seen = self._seen[(key, budget)] = self._seen.get((key, budget), 0) + 1
         if seen <= self.skip_first:
             return
-        rest = self._rest.setdefault(key, deque(maxlen=self.window))
-        rest.append(max(step_ms - verify, 0.0))
-        self.rest_ms[key] = statistics.median(rest)
+        if budget > 0:  # a step without a draft has no draft or tree in its remainder
+            rest = self._rest.setdefault(key, deque(maxlen=self.window))
+            rest.append(max(step_ms - verify, 0.0))
+            self.rest_ms[key] = statistics.median(rest)
         cell = self._cells.setdefault((key, budget), deque(maxlen=self.window))
         cell.append(step_ms)
         if len(cell) >= self.min_samples:
@@ -290,7 +295,9 @@ class BudgetController:
     `min_gain` of the step period (largest_budget_gain_bound) the batch size verifies the
     largest budget with no choice, statistics or exploration, the same work as a pinned
     budget; where the choice runs, a chosen budget is replaced only by one promising more
-    than `min_gain` over it.  One step in `explore_every` (0: never) of an engaged batch size
+    than `min_gain` over it.  Budget 0 (no speculation: the target decodes one token, nothing
+    is drafted) saves the draft too, which no verify-time bound sees: with it among the
+    candidates every batch size chooses once a step period is known.  One step in `explore_every` (0: never) of an engaged batch size
     verifies the least-measured budget, and `stats_every` subsamples the statistics (they
     move slowly; a subsample, not a bias).  `gate=False` engages every batch size once a
     step period is known (for steps whose cost the verify-time bound does not capture)."""
@@ -299,8 +306,10 @@ class BudgetController:
                  min_gain: float = 0.0, explore_every: int = 0, stats_every: int = 1,
                  decay: float = 0.95, expected_decay: float = 0.9, log: bool = True,
                  gate: bool = True) -> None:
-        if not budgets or sorted(set(budgets)) != list(budgets) or budgets[0] < 1:
-            raise ValueError(f"budgets must be distinct, ascending and >= 1; got {budgets}")
+        if not budgets or sorted(set(budgets)) != list(budgets) or budgets[0] < 0:
+            raise ValueError(f"budgets must be distinct, ascending and >= 0; got {budgets}")
+        if budgets[-1] < 1:
+            raise ValueError(f"the largest budget must be >= 1; got {budgets}")
         if explore_every < 0 or stats_every < 1 or min_gain < 0:
             raise ValueError(f"need explore_every >= 0, stats_every >= 1 and min_gain >= 0; got "
                              f"{explore_every}, {stats_every}, {min_gain}")
@@ -352,7 +361,7 @@ class BudgetController:
         at least min_gain over the largest (from the verify times and the row's step period;
         before a period is known, no).  Re-judged only when a cost changed."""
         row = self.costs.batch_row(bs) if row is None else row
-        if not self.gate:
+        if not self.gate or self.budgets[0] == 0:
             return self.costs.knows_period
         version = self.costs.version
         cached = self._gate.get(row)
@@ -381,10 +390,13 @@ class BudgetController:
     def observe(self, bs: int, budget: int, depth_probs: torch.Tensor,
                 accepted: torch.Tensor) -> torch.Tensor | None:
         """After a verify of `budget` (tensor work only, no host read).  depth_probs
-        [bs, K, D]: the candidates' predictions; accepted [bs]: draft tokens each request
+        [bs, K, D]: the candidates' predictions (None after a step without a draft, budget 0:
+        it predicts nothing and teaches nothing); accepted [bs]: draft tokens each request
         accepted (bonus excluded).  Returns the updated expected accepted tokens per request
         of every candidate [K], or None where no statistics ran this step."""
         self.steps[budget] += 1
+        if budget == 0:
+            return None
         cached = self._gate.get(self.costs.batch_row(bs))
         if cached is not None and not cached[1]:  # no choice at this batch size
             return None

@@ -116,7 +116,8 @@ class ReferenceSpeculator:
                  grammar: ConstrainedRequest | None = None) -> GenerationResult:
         """`seed` seeds this call's generator; `sampling.seed` (if set) instead makes every
         draw a function of (seed, position), identical across modes and budgets.  `budget` is
-        a fixed B or a BudgetController that picks B per step (and learns from acceptance).
+        a fixed B or a BudgetController that picks B per step (and learns from acceptance;
+        B = 0 is a step without speculation: the root alone, one token).
         `grammar`: a constrained request (every choice under its mask; it ends when the
         grammar does)."""
         if mode not in ("ar", "chain", "ddtree"):
@@ -186,7 +187,7 @@ class ReferenceSpeculator:
         depth_probs = None
         if mode == "chain":
             tree = chain_tree(dl)
-        elif isinstance(budget, BudgetController):
+        elif not isinstance(budget, int):  # a BudgetController (or its stand-in)
             tree, depth_probs = self._chosen_tree(dl, budget)
         elif grammar is not None and grammar.force_children:
             tree = forced_child_tree(torch.log_softmax(dl[0].float(), -1).cpu(), budget,

@@ -173,19 +173,24 @@ class DecodeStep:
 
     def draft_tree(self, batch, plan: StepPlan, grammar_barrier=None) -> DraftedTree:
         """One drafter pass over [bonus, MASK...] for every request, whose CUDA graph ends in
-        the tree stage; the tree stage runs here instead where the pass ran eagerly, and where
+        the tree stage (a budget of 0 drafts nothing: the roots alone, plain decoding through
+        the same verify); the tree stage runs here instead where the pass ran eagerly, and where
         constrained requests' trees are rooted in what their grammar forces
         (SGLANG_DDTREE_GRAMMAR_FORCE=spine, once the grammars hold the previous step's tokens:
         `grammar_barrier`).  The trees cut to the plan's width; with a grammar in the batch,
         the host copy of the tree that the bitmask needs starts here, before the verify."""
-        spine = batch.has_grammar and self.settings.grammar_force == "spine"
-        if spine and grammar_barrier is not None:
-            grammar_barrier()  # the grammars hold the previous step's tokens
-        hidden, tree_ready = self.io.draft_block(batch, plan.draft_input)
         stage = self.stages.tree
-        if spine or not tree_ready:
-            forced = grammar_spines(batch.reqs, self.depth, hidden.device) if spine else None
-            stage.run(hidden[:, 1:, :], plan.draft_input.bonus_tokens, batch.seq_lens, forced)
+        if plan.budget == 0:  # no speculation: nothing drafted, the root alone verifies
+            stage.run_root(plan.draft_input.bonus_tokens, batch.seq_lens)
+        else:
+            spine = batch.has_grammar and self.settings.grammar_force == "spine"
+            if spine and grammar_barrier is not None:
+                grammar_barrier()  # the grammars hold the previous step's tokens
+            hidden, tree_ready = self.io.draft_block(batch, plan.draft_input)
+            if spine or not tree_ready:
+                forced = grammar_spines(batch.reqs, self.depth, hidden.device) if spine else None
+                stage.run(hidden[:, 1:, :], plan.draft_input.bonus_tokens, batch.seq_lens,
+                          forced)
         out = stage.read(plan.bs)
         layout = out.layouts[plan.width]
         grammar_tree = None
@@ -194,7 +199,8 @@ class DecodeStep:
                 retrieve_next_token=layout.retrieve_next_token,
                 retrieve_next_sibling=layout.retrieve_next_sibling,
                 draft_token=layout.draft_tokens.view(plan.bs, plan.width))
-        return DraftedTree(layout=layout, depth_probs=out.depth_probs, grammar_tree=grammar_tree,
+        return DraftedTree(layout=layout, grammar_tree=grammar_tree,
+                           depth_probs=out.depth_probs if plan.budget > 0 else None,
                            mask_positions=out.mask_positions.get(plan.width))
 
     def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:

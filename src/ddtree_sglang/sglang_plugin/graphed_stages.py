@@ -35,6 +35,7 @@ from ddtree_sglang.grammar.forcing import force_draft_logits
 from ddtree_sglang.kernels.choice import Kernels
 from ddtree_sglang.kernels.graphed import GraphedFunction, capture_graph
 from ddtree_sglang.sglang_plugin import patches
+from ddtree_sglang.tree.verify_layout import mask_positions
 from ddtree_sglang.tree.stages import (CommitSlots, StepCommit, TreeStageOutput, commit_stage,
                                        forced_accept_stage, tree_stage, unpack_commit_stage,
                                        unpack_tree_stage, verify_widths)
@@ -149,6 +150,23 @@ class TreeStage:
         outputs = self.graphed(*inputs, *(() if forced is None else (forced,)))
         self.out.write(outputs, draft_hidden.shape[0])
         self._write_masks(outputs, draft_hidden.shape[0])
+
+    def run_root(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """A step without a draft (budget 0, no speculation): each request's root alone, the
+        width-1 layout, into the same buffers (the accept stage reads it there).  Every other
+        field of a width-1 layout is the same for any tree (no children, no parent, depth 0)
+        and already in the buffers; only the roots, their positions and the lengths change."""
+        bs = roots.shape[0]
+        out = self.read(bs)
+        root = out.layouts[1]
+        root.draft_tokens.copy_(roots)
+        root.positions.copy_(seq_lens)
+        out.seq_lens.copy_(seq_lens)
+        if 1 in out.mask_positions:
+            out.mask_positions[1].copy_(mask_positions(seq_lens, 1))
+            target = self.mask_targets.get(1)
+            if target is not None and bs <= target[1]:
+                patches.write_mask_blocks(target[0], out.mask_positions[1], root.ancestors)
 
     def read(self, bs: int) -> TreeStageOutput:
         """The results of the last `bs`-request call, as views of the buffers (the same view

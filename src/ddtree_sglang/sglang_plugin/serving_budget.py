@@ -164,7 +164,11 @@ class ServingBudget:
     def observe(self, bs: int, budget: int, depth_probs: torch.Tensor,
                 commit_lens: torch.Tensor) -> None:
         """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
-        predicted acceptance per candidate and depth; commit_lens [bs]: accepted + bonus."""
+        predicted acceptance per candidate and depth (None after a step without a draft);
+        commit_lens [bs]: accepted + bonus."""
+        if budget == 0:  # no draft: nothing predicted, nothing to learn
+            self.controller.observe(bs, 0, None, None)
+            return
         expected = self.controller.observe(bs, budget, depth_probs, commit_lens.long() - 1)
         if expected is not None:
             self._lagged.push(expected)

@@ -59,21 +59,23 @@ DEBUG_FLAGS = {
 
 def parse_budgets(value: str, max_budget: int) -> tuple[int, ...]:
     """SGLANG_DDTREE_BUDGETS -> the ascending candidate budgets, ending with `max_budget`:
-    "auto" = budget.candidate_budgets(B), "off" = always B, or a comma list (B is added)."""
+    "auto" = budget.candidate_budgets(B), "off" = always B, or a comma list (B is added; 0 is
+    no speculation: a step that drafts nothing and decodes one token, chosen where the
+    measured tokens per ms say speculation does not pay)."""
     value = value.strip()
     if value == "auto":
         return tuple(candidate_budgets(max_budget))
     if value == "off":
         return (max_budget,)
     accepted = (f"accepted: auto (default), off (always B = {max_budget}), or a comma list of "
-                f"budgets in 1..{max_budget} (B = --speculative-num-draft-tokens - 1 is always "
-                "one of them)")
+                f"budgets in 0..{max_budget} (0: no speculation; B = "
+                "--speculative-num-draft-tokens - 1 is always one of them)")
     try:
         budgets = sorted({int(x) for x in value.split(",")})
     except ValueError:
         raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} is not accepted; {accepted}") from None
-    if budgets[0] < 1 or budgets[-1] > max_budget:
-        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} names a budget outside 1..{max_budget};"
+    if budgets[0] < 0 or budgets[-1] > max_budget:
+        raise DDTreeConfigError(f"{BUDGETS_ENV}={value!r} names a budget outside 0..{max_budget};"
                                 f" {accepted}")
     return tuple(budgets if budgets[-1] == max_budget else budgets + [max_budget])
 

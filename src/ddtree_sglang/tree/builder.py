@@ -35,9 +35,10 @@ def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
     Exact because the builder's output is best-first and prefix-closed: a prefix scores at most
     its parent (log-probabilities only fall along a path), so the b best prefixes of a request
     are the first b nodes of its B-best tree for every b <= B, and each of their parents comes
-    before them.  This is what lets one tree stage serve every candidate budget."""
-    if not 1 <= budget <= tree.budget:
-        raise ValueError(f"budget must be in 1..{tree.budget} (the tree's size); got {budget}")
+    before them.  This is what lets one tree stage serve every candidate budget.  Budget 0 is
+    the root alone: a step that verifies no draft (plain decoding)."""
+    if not 0 <= budget <= tree.budget:
+        raise ValueError(f"budget must be in 0..{tree.budget} (the tree's size); got {budget}")
     return DraftTree(tree.tokens[:, :budget], tree.parents[:, :budget],
                      tree.depths[:, :budget], tree.scores[:, :budget])
 
