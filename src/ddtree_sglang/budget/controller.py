@@ -297,7 +297,8 @@ class BudgetController:
     budget; where the choice runs, a chosen budget is replaced only by one promising more
     than `min_gain` over it.  Budget 0 (no speculation: the target decodes one token, nothing
     is drafted) saves the draft too, which no verify-time bound sees: with it among the
-    candidates every batch size chooses once a step period is known.  One step in `explore_every` (0: never) of an engaged batch size
+    candidates every batch size chooses once a step period is known.  One step in
+    `explore_every` (0: never) of an engaged batch size
     verifies the least-measured budget, and `stats_every` subsamples the statistics (they
     move slowly; a subsample, not a bias).  `gate=False` engages every batch size once a
     step period is known (for steps whose cost the verify-time bound does not capture)."""
