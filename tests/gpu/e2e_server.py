@@ -179,6 +179,12 @@ def main() -> None:
         # acting on any gain: the testbed is host-bound, so the default 3% would keep B = 15)
         "ddtree_b15auto": ServerSpec(target, "ddtree_b15auto", "DDTREE", drafter, 16,
                                      env={"SGLANG_DDTREE_DEBUG": "switch_budgets"}),
+        # no speculation among the candidates: requests move between 0-steps (the root alone,
+        # plain decoding) and trees of 7 and B nodes every few steps
+        "ddtree_b0switch": ServerSpec(target, "ddtree_b0switch", "DDTREE", drafter,
+                                      args.budget + 1,
+                                      env={"SGLANG_DDTREE_BUDGETS": "0,7",
+                                           "SGLANG_DDTREE_DEBUG": "switch_budgets"}),
         "ddtree_nooverlap": ServerSpec(target, "ddtree_nooverlap", "DDTREE", drafter,
                                        args.budget + 1, disable_overlap_schedule=True),
         # SGLang's single masked verify call instead of the tree-attention kernel (the default:
