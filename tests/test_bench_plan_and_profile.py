@@ -274,3 +274,26 @@ def test_gpu_run_stops_its_own_servers_only():
     assert "pkill" not in script and "killall" not in script
     assert "python -m ddtree_bench.server stop-recorded" in script
     assert f"export {PIDS_ENV}" in script and "trap stop_own_servers EXIT" in script
+
+
+def test_the_8b_serving_run_forces_each_arm_s_published_acceptance():
+    """configs/serve_qwen3_8b_simulated.yaml serves the random 8B-shaped pair through the whole
+    server: each speculative arm gets SGLang's SGLANG_SIMULATE_ACC_LEN, DDTREE's budget pinned,
+    the printed commands name the random models and skip the tokenizer; a plain arm cannot
+    take a forced acceptance."""
+    import pytest
+
+    from ddtree_bench.config import Arm, load_config
+    from ddtree_bench.dry_run import plan
+    from ddtree_bench.run import arm_env
+
+    cfg = load_config(ROOT / "configs" / "serve_qwen3_8b_simulated.yaml")
+    env = {a.name: arm_env(a) for a in cfg.arms}
+    assert env["dflash"] == {"SGLANG_SIMULATE_ACC_LEN": "7.79"}
+    assert env["ddtree-b32"] == {"SGLANG_DDTREE_BUDGETS": "off", "SGLANG_SIMULATE_ACC_LEN": "9.3"}
+    assert env["ddtree-b32-or-plain"]["SGLANG_DDTREE_BUDGETS"] == "0"
+    text = plan(cfg, None)
+    assert "qwen3_8b_random" in text and "--skip-tokenizer-init" in text
+    assert "testbed/target" not in text
+    with pytest.raises(ValueError, match="simulate_accept applies to DFLASH and DDTREE"):
+        Arm(name="p", simulate_accept=4.0)

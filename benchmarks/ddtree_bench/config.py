@@ -38,11 +38,18 @@ class Arm(_Strict):
                     "are taken in groups of tp, one replica per group")
     page_size: Optional[int] = Field(None, ge=1, description="this arm's KV page size (unset: "
                                      "the config's)")
+    simulate_accept: Optional[float] = Field(
+        None, ge=1, description="a speculative arm's forced mean committed tokens per step "
+        "(SGLang's SGLANG_SIMULATE_ACC_LEN, which DFLASH and DDTREE honour): serving random "
+        "weights at a published acceptance length")
 
     @model_validator(mode="after")
     def _budget_only_for_ddtree(self) -> "Arm":
         if self.algorithm != "DDTREE" and self.budget is not None:
             raise ValueError(f"arm {self.name}: budget applies to DDTREE only")
+        if self.algorithm is None and self.simulate_accept is not None:
+            raise ValueError(f"arm {self.name}: simulate_accept applies to DFLASH and DDTREE "
+                             "arms only")
         from ddtree_sglang.sglang_plugin.settings import check_env
 
         for key, value in self.env.items():
@@ -192,6 +199,11 @@ class BenchConfig(_Strict):
     launcher_module: str = Field("sglang.launch_server",
                                  description="module run with -m to start a server")
     cost_mode: CostMode = CostMode()
+    random_weights: bool = Field(False, description="serve the cost mode's random "
+                                 "Qwen3-8B-shaped pair (written on the GPU machine, "
+                                 "cost_mode.workdir) with random prompts of cost_mode.prompt_len "
+                                 "tokens and no tokenizer, instead of model_path / prompts: the "
+                                 "whole server at real shapes (set simulate_accept per arm)")
     profile: Profile = Profile()
 
     @field_validator("concurrency")

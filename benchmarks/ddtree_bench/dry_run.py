@@ -70,14 +70,16 @@ def _cells_line(cfg: BenchConfig) -> str:
         cell = "fixed work: " + ", ".join(f"{requests_for(cfg, c)} requests at {c}"
                                           for c in cfg.concurrency)
     cell += f", x{cfg.repeats}" + (" in interleaved rounds" if cfg.interleave else "")
+    prompts = (f"{cfg.prompts.limit} random prompts of {cfg.cost_mode.prompt_len} tokens"
+               if cfg.random_weights else
+               f"prompts {cfg.prompts.source} (first {cfg.prompts.limit})")
     return (f"concurrency {cfg.concurrency} per replica, {cell}; {cfg.max_new_tokens} new "
-            f"tokens, temperature {cfg.temperature}, {cfg.endpoint} endpoint, prompts "
-            f"{cfg.prompts.source} (first {cfg.prompts.limit})")
+            f"tokens, temperature {cfg.temperature}, {cfg.endpoint} endpoint, {prompts}")
 
 
 def server_lines(cfg: BenchConfig, arms: list[Arm], gpus: list[int]) -> list[str]:
     """Per replica of each arm, a comment naming it and its launch as one runnable line."""
-    if cfg.cost_mode.enabled:
+    if cfg.cost_mode.enabled or cfg.random_weights:
         cm = cfg.cost_mode
         model, drafter = f"{cm.workdir}/qwen3_8b_random", f"{cm.workdir}/qwen3_8b_dflash_random"
         extra = ["--skip-tokenizer-init"]
@@ -112,10 +114,10 @@ def plan(cfg: BenchConfig, only: list[str] | None) -> str:
     seconds, terms, complete = expected_seconds(cfg, arms)
     lines.append(f"expected duration: {'at least ' if not complete else ''}~{seconds / 60:.1f} "
                  f"min ({seconds:.0f} s: {'; '.join(terms)})")
-    if not cfg.cost_mode.enabled:
+    random = cfg.cost_mode.enabled or cfg.random_weights
+    if not random:
         lines += ["inputs:"] + [f"  {line}" for line, _ in (
             input_status(what, ref) for what, ref in run_inputs(cfg))]
     lines.append("servers it would start (each command runs as printed; a run picks free "
-                 "ports" + (", after writing the random weights)" if cfg.cost_mode.enabled
-                            else ")") + ":")
+                 "ports" + (", after writing the random weights)" if random else ")") + ":")
     return "\n".join(lines + server_lines(cfg, arms, gpus))

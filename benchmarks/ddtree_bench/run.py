@@ -110,12 +110,25 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
 def arm_env(arm: Arm) -> dict[str, str]:
     """The arm's server env: a DDTREE arm with a budget verifies it every step unless its env
     asks for the batch-aware choice (SGLANG_DDTREE_BUDGETS=auto or a list); one without a
-    budget keeps the shipped defaults."""
+    budget keeps the shipped defaults; `simulate_accept` is SGLang's SGLANG_SIMULATE_ACC_LEN."""
+    env = dict(arm.env)
+    if arm.simulate_accept is not None:
+        env["SGLANG_SIMULATE_ACC_LEN"] = str(arm.simulate_accept)
     if arm.algorithm != "DDTREE" or arm.budget is None:
-        return dict(arm.env)
+        return env
     from ddtree_sglang.sglang_plugin.settings import BUDGETS_ENV
 
-    return {BUDGETS_ENV: "off", **arm.env}
+    return {BUDGETS_ENV: "off", **env}
+
+
+def random_inputs(cfg: BenchConfig) -> tuple[str, str, list[list[int]]]:
+    """The cost mode's random pair (written once) and prompts of random token ids."""
+    cm = cfg.cost_mode
+    target, drafter = cost_mode.write_random_models(cm.workdir)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 150000) for _ in range(cm.prompt_len)]
+               for _ in range(cfg.prompts.limit)]
+    return str(target), str(drafter), prompts
 
 
 def launch_replicas(stack: ExitStack, cfg: BenchConfig, spec: ServerSpec, out: Path) -> list[Server]:
@@ -167,15 +180,21 @@ def run_throughput(cfg: BenchConfig, out: Path, command: str, save=None) -> dict
     cut short keeps what it measured).  Per group of arms started together and per level, the
     arms are measured in rounds with `cfg.interleave` (cells.measure_interleaved), else each
     arm's whole cell in turn."""
-    prompts = load_prompts(cfg)
     params = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
-    model, drafter = model_ref(cfg.model_path), model_ref(cfg.draft_model_path)
+    extra: list[str] = []
+    if cfg.random_weights:
+        model, drafter, prompts = random_inputs(cfg)
+        extra = ["--skip-tokenizer-init"]
+    else:
+        prompts = load_prompts(cfg)
+        model, drafter = model_ref(cfg.model_path), model_ref(cfg.draft_model_path)
     ref = next((a for a in cfg.arms if a.algorithm is None), None)
     order = [a for a in cfg.arms if a is not ref] + ([ref] if ref else [])
     rows, outputs, failures, correctness = [], {}, {}, {}
     results = dict(meta=_meta(cfg, command, ref.name if ref else None), rows=rows,
                    correctness=correctness, failures=failures)
-    groups = started_groups(cfg, order, lambda a: server_spec(cfg, a, model, drafter), out)
+    groups = started_groups(cfg, order, lambda a: server_spec(cfg, a, model, drafter, extra),
+                            out)
     sizes: dict[int, int] = {}
     with closing(groups):
         for group in groups:
@@ -415,7 +434,7 @@ def run_inputs(cfg: BenchConfig) -> list[tuple[str, str]]:
 def missing_inputs(cfg: BenchConfig) -> list[str]:
     """Why a real run could not read its inputs: a local path that does not exist, a hub ID
     that is not cached while offline (cost mode writes its own models)."""
-    if cfg.cost_mode.enabled:
+    if cfg.cost_mode.enabled or cfg.random_weights:
         return []
     return [problem for _, problem in (input_status(w, r) for w, r in run_inputs(cfg))
             if problem]
