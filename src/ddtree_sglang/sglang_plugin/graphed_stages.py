@@ -86,7 +86,6 @@ class TreeStage:
         self.block = depth + 1
         # The eager path's function, graphed per batch size (and per spine input) at startup.
         self.graphed = GraphedFunction(self._tree, "DDTREE tree stage", graphed)
-        self.in_draft_graph = False  # set once the draft runner's graphs hold `tail_hook`
         sample = self._tree(torch.zeros(SAMPLE_BS, depth, hidden_size, dtype=dtype,
                                         device=device),
                             torch.zeros(SAMPLE_BS, dtype=torch.long, device=device),
