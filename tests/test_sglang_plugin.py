@@ -442,29 +442,6 @@ def test_verify_attention_is_installed_on_the_triton_backend_only():
 
 
 
-def test_ddtree_check_proves_the_plugin_is_loaded(capsys):
-    """README: `ddtree-check` is how a user sees that SGLang finds DDTREE (SGLang's --help
-    lists only its built-in algorithms)."""
-    from ddtree_sglang.sglang_plugin.check import main
-
-    assert main() == 0
-    assert "DDTREE is registered" in capsys.readouterr().out
-
-
-def test_ddtree_check_names_sglang_plugins_when_it_leaves_the_plugin_out(capsys, monkeypatch):
-    """With SGLANG_PLUGINS naming other plugins SGLang skips this one: the check says so
-    instead of blaming the install; a list that names ddtree passes."""
-    from ddtree_sglang.sglang_plugin.check import main
-
-    monkeypatch.setenv("SGLANG_PLUGINS", "other_plugin")
-    assert main() == 1
-    err = capsys.readouterr().err
-    assert "SGLANG_PLUGINS='other_plugin' leaves out this plugin" in err
-    assert "installed" not in err
-    monkeypatch.setenv("SGLANG_PLUGINS", "other_plugin, ddtree")
-    assert main() == 0
-
-
 def test_every_startup_problem_listed_together_before_sglang_s_traceback(plugin_loaded, capsys,
                                                                         monkeypatch):
     """A bad budget does not hide a bad knob or a bad backend; the list is printed to stderr
