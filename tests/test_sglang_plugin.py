@@ -442,10 +442,11 @@ def test_verify_attention_is_installed_on_the_triton_backend_only():
 
 
 
-def test_every_startup_problem_listed_together_before_sglang_s_traceback(plugin_loaded, capsys,
-                                                                        monkeypatch):
-    """A bad budget does not hide a bad knob or a bad backend; the list is printed to stderr
-    first (SGLang's traceback follows it)."""
+def test_every_startup_problem_listed_together(plugin_loaded, capsys, monkeypatch):
+    """A bad budget does not hide a bad knob or a bad backend; the list is printed to stderr,
+    and the refusal is a ValueError to a program and a SystemExit(2) to a launch."""
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError
+
     monkeypatch.setenv("SGLANG_DDTREE_BUDGETS", "bogus")
     with pytest.raises(ValueError) as err:
         make_args(speculative_num_draft_tokens=5000, attention_backend="fa3")
@@ -455,6 +456,35 @@ def test_every_startup_problem_listed_together_before_sglang_s_traceback(plugin_
                    "--attention-backend fa3 cannot verify a draft tree"):
         assert needle in str(err.value) and needle in printed
     assert printed.lstrip().startswith("DDTREE cannot start:")
+    assert isinstance(err.value, DDTreeConfigError) and isinstance(err.value, SystemExit)
+    assert err.value.code == 2
+
+
+def test_a_refused_launch_prints_the_list_and_exits_2_without_a_traceback():
+    """`python -m sglang.launch_server` as a user runs it (this CPU machine reaches DDTREE's
+    validation with --device cuda): SGLang lets the refusal through uncaught, so the process
+    ends with status 2 and the output holds the list, not a traceback."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SGLANG_DDTREE_") and k != "SGLANG_PLUGINS"}
+    env.update(CUDA_VISIBLE_DEVICES="", SGLANG_DDTREE_GRAMMAR="fast",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(TARGET),
+           "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(DRAFTER),
+           "--page-size", "8", "--device", "cuda", "--attention-backend", "fa3"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    listed = output[output.index("DDTREE cannot start:"):].splitlines()
+    assert sum(line.startswith("  - ") for line in listed) == 3, listed
+    for needle in ("--page-size 8 is not accepted; accepted: 1, 16",
+                   "--attention-backend fa3 cannot verify a draft tree",
+                   "SGLANG_DDTREE_GRAMMAR='fast' is not accepted; accepted: tree, path, auto"):
+        assert needle in output
+    assert output.count("DDTREE cannot start:") == 1
 
 
 def test_contract_covers_overrides_and_copied_source(monkeypatch):

@@ -44,6 +44,25 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
                       "lfm2", "minimax_m1", "plamo2", "zamba2"}
 
 
+# The exit status of a launch DDTREE refuses (argparse's, for arguments it refuses itself).
+REFUSED_EXIT_STATUS = 2
+
+
+class StartupRefusal(SystemExit, DDTreeConfigError):
+    """DDTREE's refusal of a server's arguments, raised from SGLang's validation hook.
+
+    Both kinds at once, because the hook cannot tell who resolves the arguments: a program that
+    builds ServerArgs itself (sglang.Engine, tests) catches a DDTreeConfigError (a ValueError)
+    naming every problem, while a launch (`sglang serve`, `python -m sglang.launch_server`),
+    where SGLang lets it through uncaught, ends with exit status 2 and no traceback (the
+    interpreter treats an uncaught SystemExit as a plain exit): the user reads only the list,
+    which the hook prints first."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = REFUSED_EXIT_STATUS
+
+
 # Every ServerArgs field DDTREE reads (contract.ATTRIBUTES holds the same names).
 READ_FIELDS = (
     "device", "model_path", "revision", "download_dir", "speculative_draft_model_path",
