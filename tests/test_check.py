@@ -72,3 +72,19 @@ def test_an_unregistered_plugin_and_a_bad_setting_are_both_reported(capsys, clea
     err = capsys.readouterr().err
     assert "leaves out this plugin" in err
     assert "SGLANG_DDTREE_GRAMMAR_FORCE='on' is not accepted; accepted: off, spine" in err
+
+
+def test_an_sglang_that_does_not_know_ddtree_names_what_to_install(capsys, clean_env):
+    import sys
+
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
+
+    def unknown(name):
+        raise ValueError(f"Unknown speculative algorithm name: {name}")
+
+    clean_env.setattr(sg.SpeculativeAlgorithm, "from_string", unknown)
+    assert main() == 1
+    err = capsys.readouterr().err
+    assert "does not know DDTREE after loading its plugins" in err
+    assert f"install ddtree-sglang into the environment sglang runs from (its python: " \
+           f"{sys.executable})" in err

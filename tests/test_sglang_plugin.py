@@ -145,6 +145,50 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
 
 
 
+WAY_FORWARD = ("accepted", "accepts", "pip install", "starts with")
+
+
+def test_every_refusal_of_the_arguments_names_the_way_forward(tmp_path, monkeypatch):
+    """Each problem of a refused launch names the accepted values, the flag or setting that
+    starts it, or what to install: a set of arguments wrong in every way DDTREE checks, each
+    line of the refusal checked."""
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, validate
+
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "layer_types": ["linear_attention", "sliding_attention"]}))
+    not_dflash = tmp_path / "llama"
+    not_dflash.mkdir()
+    (not_dflash / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    monkeypatch.setenv("SGLANG_DDTREE_GRAMMAR", "fast")
+    monkeypatch.setenv("SGLANG_DDTREE_BUDGET", "8")
+    wrong = dict(device="cpu", model_path=str(hybrid), speculative_num_draft_tokens=2,
+                 attention_backend="fa3", decode_attention_backend="fa4", page_size=8,
+                 enable_dp_attention=True, tp_size=2, pp_size=2,
+                 speculative_draft_window_size=64, speculative_use_rejection_sampling=True,
+                 speculative_adaptive=True, enable_lora=True)
+    for drafter in (str(not_dflash), "/nonexistent", None):
+        with pytest.raises(DDTreeConfigError) as err:
+            validate(server_args(**wrong, speculative_draft_model_path=drafter))
+        lines = str(err.value).splitlines()
+        assert lines[0] == "DDTREE cannot start:" and len(lines) >= 17, lines
+        silent = [line for line in lines[1:] if not any(w in line for w in WAY_FORWARD)]
+        assert silent == []
+    assert "got --device cpu (accepted: cuda)" in str(err.value)
+
+
+def test_a_drafter_refusal_names_what_the_flag_accepts(tmp_path):
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, drafter_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for path in (str(tmp_path), "/nonexistent", None):
+        with pytest.raises(DDTreeConfigError, match="a DFlash drafter for this target, by hub "
+                                                    "ID .e.g. z-lab/Qwen3-8B-DFlash-b16. or "
+                                                    "local directory"):
+            drafter_config(server_args(speculative_draft_model_path=path))
+
+
 def test_benchmark_ddtree_arms_pin_their_budget_unless_asked():
     from ddtree_bench.config import Arm
     from ddtree_bench.run import arm_env
@@ -225,7 +269,8 @@ def test_sglang_contract(monkeypatch):
     problems = contract.contract_violations()
     assert any("Req: attributes ['kv_commited_len'] not found" in p for p in problems)
     assert any("from_device: parameters ['tree']" in p for p in problems)
-    with pytest.raises(RuntimeError, match="lacks internals the plugin relies on"):
+    with pytest.raises(RuntimeError, match=r"lacks internals the plugin relies on \(pip install "
+                                           r"sglang==0.5.17\)"):
         contract.check_contract()
 
 
@@ -563,7 +608,7 @@ def test_a_renamed_server_argument_is_refused_not_ignored(monkeypatch):
     args = server_args(speculative_adaptive=True)
     del args.speculative_adaptive
     with pytest.raises(ddargs.DDTreeConfigError, match="no field.s. speculative_adaptive, which DDTREE "
-                                                "reads"):
+                                                "reads.*pip install sglang==0.5.17"):
         ddargs.validate(args)
     assert ddargs.backend_to_default(args) is None  # leaves the refusal to validate()
 

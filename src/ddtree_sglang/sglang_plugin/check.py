@@ -35,7 +35,8 @@ def plugin_status() -> tuple[bool, str]:
         sg.SpeculativeAlgorithm.from_string("DDTREE")
     except (ValueError, KeyError) as exc:
         return False, (f"SGLang {sglang_version} does not know DDTREE after loading its plugins "
-                       f"({exc}); is ddtree-sglang installed in the same environment as sglang?")
+                       f"({exc}); install ddtree-sglang into the environment sglang runs from "
+                       f"(its python: {sys.executable})")
     return True, (f"DDTREE is registered: --speculative-algorithm DDTREE works with SGLang "
                   f"{sglang_version} (ddtree-sglang {version('ddtree-sglang')})")
 
