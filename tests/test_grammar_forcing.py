@@ -1,4 +1,4 @@
-"""The forced spine (grammar_forcing.py): what the grammar forces, how it enters the tree, and
+"""The forced spine (grammar/forcing.py): what the grammar forces, how it enters the tree, and
 that outputs do not change (the reference loop on the testbed pair, greedy against masked AR,
 seeded sampling against the unforced tree)."""
 import pytest

@@ -109,7 +109,7 @@ def budget_from_args(args: Any) -> int:
 
 
 def drafter_config(args: Any) -> DFlashConfig:
-    """The drafter's DFlash config, from a local directory or a hub ID (model_files.py: the
+    """The drafter's DFlash config, from a local directory or a hub ID (dflash/files.py: the
     cache, offline mode, --speculative-draft-model-revision, --download-dir)."""
     ref = _get(args, "speculative_draft_model_path")
     if not ref:
@@ -296,7 +296,8 @@ def _parallel_and_paging_errors(args: Any, unchecked: bool) -> list[str]:
 
 
 def validate(args: Any) -> None:
-    """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
+    """Raise DDTreeConfigError listing every problem found, one line each naming what is
+    accepted (plugin._validate prints it and ends the launch)."""
     require_fields(args)
     errors: list[str] = []
     device = str(_get(args, "device") or "cuda")
