@@ -35,7 +35,6 @@ from ddtree_sglang.tree.draft_tree import DraftTree, TopLogProbs, check_budget, 
 
 MAX_BUDGET = 256
 MAX_DEPTH = 16
-_IDX_BITS = 31
 
 
 @triton.jit
