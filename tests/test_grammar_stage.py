@@ -14,6 +14,7 @@ from ddtree_bench.grammars import KINDS  # noqa: E402
 from ddtree_sglang.grammar.masks import allow_all, fill_tree_masks  # noqa: E402
 from ddtree_sglang.tree.verify_layout import sibling_links  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg  # noqa: E402
+from ddtree_sglang.sglang_plugin.settings import GRAMMAR_METHODS  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import (WALK_ABOVE_US, MaskCosts,  # noqa: E402
                                                        build_grammar_step)
 
@@ -55,7 +56,7 @@ def links(sample, bs):
     return rep(first), rep(nxt), rep(torch.tensor([tokens])), len(tokens)
 
 
-@pytest.mark.parametrize("method", ["tree", "path", "auto", "python"])
+@pytest.mark.parametrize("method", GRAMMAR_METHODS)
 def test_who_walks_and_who_gets_masks(setup, method):
     vocab, compiled, sample = setup
     reqs = [request("greedy", compiled, vocab, sample),
