@@ -1,4 +1,4 @@
-"""The forced spine (grammar_forcing.py): what the grammar forces, how it enters the tree, and
+"""The forced spine (grammar/forcing.py): what the grammar forces, how it enters the tree, and
 that outputs do not change (the reference loop on the testbed pair, greedy against masked AR,
 seeded sampling against the unforced tree)."""
 import pytest
@@ -112,18 +112,41 @@ def test_force_needs_the_tokenizer(matchers):
         ConstrainedRequest(matcher_of("regex"), vocab, force=True)
 
 
-def test_the_spine_s_cost_is_timed_along_a_sample_output(pair, matchers):
+def test_the_spine_s_cost_is_timed_along_a_sample_output(pair, matchers, monkeypatch):
     """benchmarks/forced_spine.py's host-cost column: one spine per position of a sample the
-    grammar accepts, the share of positions with a spine and its mean length."""
-    from ddtree_bench.forced_spine import spine_cost
-    from ddtree_bench.grammars import KINDS
+    grammar accepts, its host time per step, the share of positions with a spine and its mean
+    length.  A fake clock charges each spine (its length + 1) us, so every column has one
+    right value."""
+    import statistics
+    from types import SimpleNamespace
 
+    import ddtree_bench.forced_spine as forced_spine
+    from ddtree_bench.grammars import KINDS
+    from ddtree_sglang.grammar import forcing
+
+    now = [1000.0]
+    lengths = []
+    real = forcing.forced_tokens
+
+    def charged(matcher, encode, depth):
+        spine = real(matcher, encode, depth)
+        lengths.append(len(spine))
+        now[0] += (len(spine) + 1) * 1e-6
+        return spine
+
+    monkeypatch.setattr(forced_spine, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(forcing, "forced_tokens", charged)
     matcher_of, _ = matchers
     encode = encoder(pair)
     sample = encode(KINDS["tool_call"].sample)
-    cost = spine_cost(matcher_of("tool_call"), sample, encode)
-    assert cost["steps"] == len(sample) and 0 < cost["with_spine"] < 1
-    assert cost["spine_len"] > 1 and cost["us_median"] >= 0
+    cost = forced_spine.spine_cost(matcher_of("tool_call"), sample, encode)
+    assert cost["steps"] == len(sample) == len(lengths)
+    spines = [n for n in lengths if n]
+    assert 0 < len(spines) < len(lengths)  # the scaffolding is forced, the values are not
+    assert cost["with_spine"] == round(len(spines) / len(lengths), 3)
+    assert cost["spine_len"] == round(statistics.mean(spines), 2) and cost["spine_len"] > 1
+    assert cost["us_median"] == pytest.approx(statistics.median(n + 1 for n in lengths), abs=0.05)
+    assert cost["us_max"] == pytest.approx(max(lengths) + 1, abs=0.05)
 
 
 def test_forced_children_take_a_node_s_only_child_and_nothing_else_changes():

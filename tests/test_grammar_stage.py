@@ -14,6 +14,7 @@ from ddtree_bench.grammars import KINDS  # noqa: E402
 from ddtree_sglang.grammar.masks import allow_all, fill_tree_masks  # noqa: E402
 from ddtree_sglang.tree.verify_layout import sibling_links  # noqa: E402
 from ddtree_sglang.sglang_plugin import sglang_api as sg  # noqa: E402
+from ddtree_sglang.sglang_plugin.settings import GRAMMAR_METHODS  # noqa: E402
 from ddtree_sglang.sglang_plugin.grammar_stage import (WALK_ABOVE_US, MaskCosts,  # noqa: E402
                                                        build_grammar_step)
 
@@ -55,7 +56,7 @@ def links(sample, bs):
     return rep(first), rep(nxt), rep(torch.tensor([tokens])), len(tokens)
 
 
-@pytest.mark.parametrize("method", ["tree", "path", "auto", "python"])
+@pytest.mark.parametrize("method", GRAMMAR_METHODS)
 def test_who_walks_and_who_gets_masks(setup, method):
     vocab, compiled, sample = setup
     reqs = [request("greedy", compiled, vocab, sample),
@@ -86,18 +87,37 @@ def test_who_walks_and_who_gets_masks(setup, method):
         assert costs.us["greedy"] == pytest.approx(9 * WALK_ABOVE_US)
 
 
-def test_auto_walks_only_costly_requests_and_retries_tree_masks(setup):
+def test_auto_walks_only_costly_requests_and_retries_tree_masks(setup, monkeypatch):
+    """A fake clock charges each request's tree masks a fixed cost (cheap: 20 us, costly:
+    5 x WALK_ABOVE_US), so each step has one outcome: the costly request walks, its evidence
+    decays below the threshold, it retries tree masks, is measured costly and walks again;
+    the cheap one always gets tree masks, measured at its cost."""
+    from ddtree_sglang.sglang_plugin import grammar_stage
+
     vocab, compiled, sample = setup
     reqs = [request("cheap", compiled, vocab, sample), request("costly", compiled, vocab, sample)]
+    charge = {id(reqs[0].grammar.matcher): 20.0, id(reqs[1].grammar.matcher): 5 * WALK_ABOVE_US}
+    now = [50.0]
+
+    def charged_fill(matcher, *args):
+        fill_tree_masks(matcher, *args)
+        now[0] += charge[id(matcher)] * 1e-6
+
+    monkeypatch.setattr(grammar_stage, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(grammar_stage, "fill_tree_masks", charged_fill)
     first, nxt, tokens, width = links(sample, 2)
     costs = MaskCosts({"cheap": 1.0, "costly": 1.05 * WALK_ABOVE_US})
-    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
-    assert step.greedy.rows == (1,)
-    assert costs.us["costly"] < WALK_ABOVE_US  # decayed: the next step measures tree masks
-    cheap_measured = costs.us["cheap"]
-    step = build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto", costs)
-    assert 1 not in step.greedy.rows and costs.us["costly"] > 0
-    assert (0 in step.greedy.rows) == (cheap_measured > WALK_ABOVE_US)
+
+    def step():
+        return build_grammar_step(reqs, (first, nxt, tokens), width, vocab, "cpu", "auto",
+                                  costs).greedy.rows
+
+    assert step() == (1,)  # costly walks, cheap gets masks
+    assert costs.us["cheap"] == pytest.approx(20.0)
+    assert costs.us["costly"] == pytest.approx(1.05 * WALK_ABOVE_US * grammar_stage.DECAY)
+    assert step() == ()  # costly retries tree masks, and is measured
+    assert costs.us == pytest.approx({"cheap": 20.0, "costly": 5 * WALK_ABOVE_US})
+    assert step() == (1,)  # and walks again
 
 
 def test_threaded_tree_masks_equal_serial_ones(setup):

@@ -22,7 +22,7 @@ hysteresis a serving engine needs: the reference loop uses it as is, the SGLang 
 sglang_plugin/serving_budget.py (CUDA step timing, a lagged read-back of the statistics).
 
 Because the builder's trees are best-first and prefix-closed, one tree built with the largest
-candidate budget yields every smaller budget's tree by truncation (`tree.truncate_tree`).
+candidate budget yields every smaller budget's tree by truncation (`tree.builder.truncate_tree`).
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ mask (plain decoding's rule, applied at the node's prefix).  Two ways to get it:
   the accepted path's length + 1 instead of the tree's B + 1.
 
 The host work here needs the target's ranking, so a step with greedy constrained requests reads
-the verify's top-K back to the host once (plus once per fallback round); the step already waits
-for the previous step's tokens to advance the grammar, so the walk replaces the mask filling
-that used to overlap the verify pass.
+the verify's top-K back to the host once (plus once per fallback round), after the verify pass,
+whereas tree masks are filled while it runs (sglang_plugin/grammar_stage.py chooses between
+them per request).
 """
 
 from __future__ import annotations

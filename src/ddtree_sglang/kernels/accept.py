@@ -1,14 +1,13 @@
 """The acceptance walk of a verified tree, one launch for the whole batch.
 
-`decode_step.accept_stage` (PyTorch) propagates "accepted" down the tree with one gather per
+`tree.stages.accept_stage` (PyTorch) propagates "accepted" down the tree with one gather per
 depth and then scatters the path, committed tokens and KV rows out of it: about 60 small
 kernels per step, GPU time at batch 1 that a DFLASH step does not pay.  Here one program per
-request walks from the root: at each depth the
-child whose token is the target's choice at the current node (siblings hold distinct tokens,
-so there is at most one) becomes the current node, until none matches.  It writes the same
-five outputs as accept_stage.
+request walks from the root: at each depth the child whose token is the target's choice at the
+current node (siblings hold distinct tokens, so there is at most one) becomes the current
+node, until none matches.  It writes the same five outputs as accept_stage.
 
-Reference: `decode_step.accept_stage`; `check_accept_kernel` compares the two at startup.
+Reference: `tree.stages.accept_stage`; `check_accept_kernel` compares the two at startup.
 """
 
 from __future__ import annotations

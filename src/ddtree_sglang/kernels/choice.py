@@ -68,7 +68,7 @@ class Kernels:
         return values.float() - logsumexp_triton(draft_logits).unsqueeze(-1), ids
 
     def build_tree(self, draft_logits: torch.Tensor, budget: int) -> DraftTree:
-        """The B-best tree of every request (tree.build_draft_tree's contract)."""
+        """The B-best tree of every request (tree.builder.build_draft_tree's contract)."""
         if self.tree_builder == "triton":
             from ddtree_sglang.kernels.tree_build import build_draft_tree_triton
 
@@ -77,7 +77,7 @@ class Kernels:
 
     @property
     def accept_stage(self) -> Callable[..., tuple]:
-        """decode_step.accept_stage or its one-launch Triton twin (same arguments, outputs)."""
+        """tree.stages.accept_stage or its one-launch Triton twin (same arguments, outputs)."""
         if self.accept == "triton":
             from ddtree_sglang.kernels.accept import accept_stage_triton
 

@@ -16,9 +16,10 @@ small batches attention is a large share of a Qwen3-8B verify step.  Here
   When the batch alone gives enough programs (one split), stage 1 goes on with the tree itself
   and writes the output: one launch, no partials.
 
-The arguments are SGLang's `extend_attention_fwd`'s, so the worker can install it where the
-split verify of verify_attention.py goes (`tree_verify_attention` below is a drop-in for the
-calls `verify_attention.kernel_computes` accepts: KV at scale 1, no logit cap).  Its PyTorch
+The arguments are SGLang's `extend_attention_fwd`'s, so the SGLang plugin installs it in
+place of that kernel for tree verifies (sglang_plugin/verify_attention.py: `tree_verify_attention`
+below is a drop-in for the calls `verify_attention.kernel_computes` accepts: KV at scale 1, no
+logit cap; SGLang's kernel serves every other call).  Its PyTorch
 reference is `reference_tree_attention` (float32, any prefix lengths and masks).
 """
 

@@ -35,7 +35,6 @@ from ddtree_sglang.tree.draft_tree import DraftTree, TopLogProbs, check_budget, 
 
 MAX_BUDGET = 256
 MAX_DEPTH = 16
-_IDX_BITS = 31
 
 
 @triton.jit
@@ -215,12 +214,12 @@ def build_draft_tree_triton(draft_logits: torch.Tensor, budget: int,
                             overflow: torch.Tensor | None = None,
                             beams: dict | None = None,
                             top: TopLogProbs = torch_top_log_probs) -> DraftTree:
-    """Same contract and result as tree.build_draft_tree, for budget <= 256 and depth <= 16.
+    """Same contract and result as tree.builder.build_draft_tree, for budget <= 256 and depth <= 16.
     `overflow` ([batch] int32, optional): set to 1 for a request whose second pass had more
     candidates than the scratch holds (see the module doc; its tree is then a valid other one).
     `beams` (optional dict, for tests): receives the per-depth beams, "score" / "token" /
     "parent" [batch, depth rows, lanes] in lexicographic order.  `top`: the top-k of the draft
-    positions, as for tree.build_draft_tree."""
+    positions, as for tree.builder.build_draft_tree."""
     batch, depth, vocab = draft_logits.shape
     check_budget(budget, depth, vocab)
     if not supported(budget, depth):

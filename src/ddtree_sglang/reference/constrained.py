@@ -1,9 +1,9 @@
 """A constrained request in the reference loop: its grammar's mask at every tree node, the
-tokens it commits, and (opt-in) the forced spine at the root (grammar_forcing.py).
+tokens it commits, and (opt-in) the forced spine at the root (grammar/forcing.py).
 
 Plain masked decoding chooses each token as the target's choice under the grammar's mask at
 its prefix; the loop does the same at every tree node (the row of node c is the mask after the
-path to c, by xgrammar's native traversal, grammar_masks.fill_tree_masks), so its greedy output
+path to c, by xgrammar's native traversal, grammar.masks.fill_tree_masks), so its greedy output
 is plain masked greedy decoding's, whatever tree was verified.
 """
 
@@ -24,7 +24,7 @@ class ConstrainedRequest:
     vocab: the target's vocabulary size; encode: the target's tokenizer (str -> ids), needed
     with `force`, which puts the grammar's forced continuation at the root of every tree;
     `force_children`: a node after which the grammar admits one token has it as its only
-    child (grammar_forcing.forced_child_tree)."""
+    child (grammar.forcing.forced_child_tree)."""
 
     matcher: Any
     vocab: int

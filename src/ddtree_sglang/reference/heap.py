@@ -1,5 +1,5 @@
 """The paper's best-first heap for one request, on the host: the oracle the batched builders
-(`tree.build_draft_tree`, the Triton kernel) are tested against, and the CPU baseline of
+(`tree.builder.build_draft_tree`, the Triton kernel) are tested against, and the CPU baseline of
 `benchmarks/tree_build.py`.
 
 Candidates are rank tuples (r_1..r_d) over each position's top-K tokens; a popped prefix pushes

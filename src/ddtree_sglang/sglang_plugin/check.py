@@ -1,8 +1,11 @@
-"""`ddtree-check`: prove that SGLang finds the DDTREE plugin, the way a server does.
+"""`ddtree-check`: prove that SGLang finds the DDTREE plugin, the way a server does, and that
+the SGLANG_DDTREE_* settings of this environment would be accepted.
 
 SGLang's `--help` lists only its built-in speculative algorithms, so an installed plugin does
-not show there; this loads SGLang's plugins as `sglang serve` does and resolves the name.
-Exit 0 with one line naming the versions, or 1 with the reason.
+not show there; this loads SGLang's plugins as `sglang serve` does and resolves the name.  A
+misspelt or invalid setting stops a server at startup (settings.environment_problems); this
+reports it before a GPU is needed.  Exit 0 with one line naming the versions, or 1 with every
+problem on a line of its own.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+
+from ddtree_sglang.sglang_plugin.settings import environment_problems
 
 
 def plugin_status() -> tuple[bool, str]:
@@ -30,15 +35,25 @@ def plugin_status() -> tuple[bool, str]:
         sg.SpeculativeAlgorithm.from_string("DDTREE")
     except (ValueError, KeyError) as exc:
         return False, (f"SGLang {sglang_version} does not know DDTREE after loading its plugins "
-                       f"({exc}); is ddtree-sglang installed in the same environment as sglang?")
+                       f"({exc}); install ddtree-sglang into the environment sglang runs from "
+                       f"(its python: {sys.executable})")
     return True, (f"DDTREE is registered: --speculative-algorithm DDTREE works with SGLang "
                   f"{sglang_version} (ddtree-sglang {version('ddtree-sglang')})")
 
 
 def main() -> int:
+    """Print the plugin's status and every problem with this environment's SGLANG_DDTREE_*
+    settings (the budget list judged against the largest budget, 1023: the server judges it
+    against its own B); 0 only where the plugin is registered and no setting is refused."""
     ok, line = plugin_status()
-    print(line, file=sys.stdout if ok else sys.stderr)
-    return 0 if ok else 1
+    problems = environment_problems()
+    print(line, file=sys.stdout if ok and not problems else sys.stderr)
+    if problems:
+        print("A DDTREE server started from this environment would refuse its settings:",
+              file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+    return 0 if ok and not problems else 1
 
 
 if __name__ == "__main__":

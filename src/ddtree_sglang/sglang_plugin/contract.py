@@ -401,6 +401,7 @@ def check_contract() -> None:
             installed = "?"
         raise RuntimeError(
             f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}; the installed SGLang "
-            f"{installed} lacks internals the plugin relies on:\n  "
+            f"{installed} lacks internals the plugin relies on (pip install "
+            f"sglang=={SUPPORTED_SGLANG}):\n  "
             + "\n  ".join(problems)
         )

@@ -4,11 +4,13 @@ SGLang 0.5.17 gives every request a `req_to_token` row of context_len + 4 + N sl
 verify width) and DFLASH's `prepare_for_decode` reserves committed + 2N slots per step without
 a bound.  Near the context limit the reservation runs past the row: the slot indices are
 written into the next request's row and later freed from it ("pool memory leak detected",
-or another request's KV silently overwritten).  DDTREE reserves
-min(committed + 2N, row width) instead.  That still covers every step that runs: a running
-request has committed <= context_len - 3 tokens, and a step writes N slots past them.  A step
-that overlap scheduling runs for a request that already finished on the GPU is clamped by the
-worker to the row's last N slots (`max_step_seq_len`), which the reservation covers.
+or another request's KV silently overwritten).  DDTREE reserves min(committed + 2N, row
+width) instead (never less than is already allocated).  That still covers every step that
+runs: a running request has committed <= context_len - 3 tokens, and a step writes N slots
+past them.  A step that overlap scheduling runs for a request that already finished on the
+GPU starts at most at `max_step_seq_len` (the decode step clamps the batch's lengths,
+decode_step.DecodeStep.begin_step), so it writes the row's last N slots at most, which the
+reservation covers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class DDTreeDraftInput(sg.DFlashDraftInputV2):
     """DFlashDraftInputV2 whose decode reservation never passes the request's row."""
 
     def prepare_for_decode(self, batch) -> None:
+        """DFLASH's prepare_for_decode (a copy, guarded by contract.COPIED) with each request's
+        reservation bounded by its row: the KV slots of this step allocated, the batch's host
+        lengths set (through patches.py), the reserved lengths kept for the step's host
+        bounds (model_io.DFlashModelIO.host_seq_lens_bound)."""
         bs = batch.batch_size()
         if bs == 0:
             return

@@ -1,11 +1,14 @@
 """Every write the plugin makes to SGLang's objects, beside the hooks plugin.py registers: the
 drafter's forward wrapper, the draft graphs' tail hook, the target's verify-attention install,
-the server-argument
-declarations and fields, the per-width verify runtime, and the per-step fields of the batch,
-the logits output, the step's result and requests.  The rest of the plugin only reads SGLang's
-objects (tests/test_sglang_plugin.py checks it), so a release that changes a convention is
-reviewed here.  Each function names the SGLang convention its write follows.  Everything here
-reads only names the contract (contract.py) lists and checks at startup, through sglang_api.py.
+the server-argument declarations and fields, the per-width verify runtime, and the per-step
+fields of the batch, the logits output, the step's result and requests.  The rest of the
+plugin only reads SGLang's objects, so a release that changes a convention is reviewed here;
+tests/test_patches.py scans the other modules for writes into SGLang's objects (attributes,
+items, in-place tensor and container methods, `out=` arguments) and lists, with their reasons,
+the few still made elsewhere (DFLASH's own buffers filled by the copies of its methods, a
+request's output ids trimmed for a finish check).  Each function names the SGLang convention
+its write follows.  Everything here reads only names the contract (contract.py) lists and
+checks at startup, through sglang_api.py.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ def keep_embeds_dtype(model, dtype) -> None:
 
 def wrap_verify_attention(backend, wrap) -> None:
     """Replace the target Triton backend's extend kernel by `wrap(single, merge, signature)`
-    (a tree-verify attention of verify_attention.VARIANTS, which kernel_choice checked
-    against this very kernel).  Must run before the target's CUDA graphs are captured: they
-    record whichever function is called."""
+    (a tree-verify attention of verify_attention.VARIANTS, which the kernel choice,
+    kernels/choice.py, checked against this very kernel).  Must run before the target's CUDA
+    graphs are captured: they record whichever function is called."""
     if not sg.is_triton_attention(backend):
         raise RuntimeError(f"the tree verify attention replaces the triton backend's extend "
                            f"kernel; the target's backend is {type(backend).__name__}")

@@ -34,11 +34,13 @@ def _worker_factory(server_args):
 
 
 def _validate(server_args) -> None:
-    """SGLang's validation hook for DDTREE (runs while SGLang resolves its arguments): pick a
-    tree-capable attention backend when the user named none, then check everything."""
+    """SGLang's validation hook for DDTREE (runs while SGLang resolves its arguments, in
+    ServerArgs.__post_init__): pick a tree-capable attention backend when the user named none,
+    then check everything; a refusal prints every problem to stderr and raises
+    server_args.StartupRefusal (a launch exits 2 without a traceback)."""
     from ddtree_sglang.sglang_plugin import patches
-    from ddtree_sglang.sglang_plugin.server_args import (DDTreeConfigError, backend_to_default,
-                                                         validate)
+    from ddtree_sglang.sglang_plugin.server_args import (DDTreeConfigError, StartupRefusal,
+                                                         backend_to_default, validate)
 
     backend = backend_to_default(server_args)
     if backend is not None:
@@ -49,9 +51,10 @@ def _validate(server_args) -> None:
     try:
         validate(server_args)
     except DDTreeConfigError as exc:
-        # The list first, where a user reads; SGLang's traceback (ending in it again) follows.
+        # The list is all a launching user reads: the refusal ends the launch without a
+        # traceback (StartupRefusal says how), and still reads as a ValueError to a program.
         print(f"\n{exc}\n", file=sys.stderr, flush=True)
-        raise
+        raise StartupRefusal(str(exc)) from None
 
 
 def is_ddtree(spec_algorithm) -> bool:

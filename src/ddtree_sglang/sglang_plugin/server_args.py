@@ -44,6 +44,28 @@ HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "falcon_h1", "nemo
                       "lfm2", "minimax_m1", "plamo2", "zamba2"}
 
 
+# What --speculative-draft-model-path accepts (each refusal of it names this).
+DRAFTER_ACCEPTED = ("a DFlash drafter for this target, by hub ID (e.g. "
+                    "z-lab/Qwen3-8B-DFlash-b16) or local directory")
+# The exit status of a launch DDTREE refuses (argparse's, for arguments it refuses itself).
+REFUSED_EXIT_STATUS = 2
+
+
+class StartupRefusal(SystemExit, DDTreeConfigError):
+    """DDTREE's refusal of a server's arguments, raised from SGLang's validation hook.
+
+    Both kinds at once, because the hook cannot tell who resolves the arguments: a program that
+    builds ServerArgs itself (sglang.Engine, tests) catches a DDTreeConfigError (a ValueError)
+    naming every problem, while a launch (`sglang serve`, `python -m sglang.launch_server`),
+    where SGLang lets it through uncaught, ends with exit status 2 and no traceback (the
+    interpreter treats an uncaught SystemExit as a plain exit): the user reads only the list,
+    which the hook prints first."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = REFUSED_EXIT_STATUS
+
+
 # Every ServerArgs field DDTREE reads (contract.ATTRIBUTES holds the same names).
 READ_FIELDS = (
     "device", "model_path", "revision", "download_dir", "speculative_draft_model_path",
@@ -77,7 +99,8 @@ def require_fields(args: Any) -> None:
         raise DDTreeConfigError(
             f"DDTREE cannot start: SGLang's server arguments have no field(s) "
             f"{', '.join(missing)}, which DDTREE reads (renamed in this SGLang?); "
-            f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}")
+            f"ddtree-sglang supports SGLang {SUPPORTED_SGLANG}: pip install "
+            f"sglang=={SUPPORTED_SGLANG}")
 
 
 def budget_from_args(args: Any) -> int:
@@ -86,22 +109,24 @@ def budget_from_args(args: Any) -> int:
 
 
 def drafter_config(args: Any) -> DFlashConfig:
-    """The drafter's DFlash config, from a local directory or a hub ID (model_files.py: the
+    """The drafter's DFlash config, from a local directory or a hub ID (dflash/files.py: the
     cache, offline mode, --speculative-draft-model-revision, --download-dir)."""
     ref = _get(args, "speculative_draft_model_path")
     if not ref:
-        raise DDTreeConfigError(
-            "DDTREE needs --speculative-draft-model-path: a DFlash drafter for this target, "
-            "a hub ID (e.g. z-lab/Qwen3-8B-DFlash-b16) or a local directory")
+        raise DDTreeConfigError(f"DDTREE needs --speculative-draft-model-path; accepted: "
+                                f"{DRAFTER_ACCEPTED}")
     try:
         path = model_dir(str(ref), _get(args, "speculative_draft_model_revision"),
                          _get(args, "download_dir"))
     except ModelNotFound as exc:
-        raise DDTreeConfigError(f"--speculative-draft-model-path: {exc}") from None
+        raise DDTreeConfigError(f"--speculative-draft-model-path: {exc}; accepted: "
+                                f"{DRAFTER_ACCEPTED}") from None
     try:
         return load_dflash_config(path)
     except NotADFlashCheckpoint as exc:
-        raise DDTreeConfigError(f"DDTREE drafter is not a DFlash checkpoint: {exc}") from exc
+        raise DDTreeConfigError(f"DDTREE drafter is not a DFlash checkpoint: {exc}; "
+                                f"--speculative-draft-model-path accepts {DRAFTER_ACCEPTED}") \
+            from exc
 
 
 def block_size_from_args(args: Any, cfg: DFlashConfig) -> int:
@@ -271,12 +296,14 @@ def _parallel_and_paging_errors(args: Any, unchecked: bool) -> list[str]:
 
 
 def validate(args: Any) -> None:
-    """Raise DDTreeConfigError listing every problem found (SGLang prints it at startup)."""
+    """Raise DDTreeConfigError listing every problem found, one line each naming what is
+    accepted (plugin._validate prints it and ends the launch)."""
     require_fields(args)
     errors: list[str] = []
     device = str(_get(args, "device") or "cuda")
     if not device.startswith("cuda"):
-        errors.append(f"DDTREE runs on CUDA GPUs only; got --device {device}")
+        errors.append(f"DDTREE runs on CUDA GPUs only; got --device {device} (accepted: "
+                      "cuda)")
     hf = _target_hf_config(args)  # read once: a hub ID may cost a download of config.json
     errors += _drafter_and_budget_errors(args, hf)
     errors += _backend_errors(args)

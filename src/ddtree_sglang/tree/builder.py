@@ -58,7 +58,7 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int,
     """Select the `budget` most probable draft prefixes of every request as a tree.
 
     draft_logits: [batch, depth, vocab]; row d holds the drafter's logits for the token d+1
-    steps after the root.  `top`: the top-k of the positions (kernel_choice.Kernels passes
+    steps after the root.  `top`: the top-k of the positions (kernels.choice.Kernels passes
     its own).  Runs without host synchronisation; the loop is over depth only.
     """
     batch, depth, vocab = draft_logits.shape

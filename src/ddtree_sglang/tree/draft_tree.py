@@ -1,8 +1,8 @@
 """The draft tree's types: what a tree builder returns, the budgets it can fill, and the
 PyTorch top-k of the draft positions every builder starts from.
 
-A leaf module (PyTorch only): the PyTorch builder (draft_tree_builder.py) and the fused Triton builder
-(kernels/tree_build.py) both import it, and neither imports the other.
+A leaf module (PyTorch only): the PyTorch builder (tree/builder.py) and the fused Triton
+builder (kernels/tree_build.py) both import it, and neither imports the other.
 """
 
 from __future__ import annotations

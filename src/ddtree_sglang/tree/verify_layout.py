@@ -117,7 +117,7 @@ def truncate_layout(layout: VerifyLayout, width: int) -> VerifyLayout:
     """The layout of the first `width` - 1 nodes of every tree (root included: `width` tokens a
     request), sliced from a wider one without rebuilding it.
 
-    Exact for the builder's best-first, prefix-closed trees (tree.truncate_tree): every kept
+    Exact for the builder's best-first, prefix-closed trees (tree.builder.truncate_tree): every kept
     node's parent is kept, so the ancestors, positions and parents of the kept nodes do not
     change; a first child or next sibling past the cut becomes -1 (children and later siblings
     have larger indices), and the flat retrieve_index is renumbered for the new width."""
