@@ -47,10 +47,10 @@ def test_every_bad_setting_is_a_line_of_its_own_and_exit_1(capsys, clean_env):
     assert any("retired: SGLANG_DDTREE_DEBUG=host_timing" in p for p in problems)
 
 
-def test_a_budget_list_outside_1_to_1023_is_refused(capsys, clean_env):
+def test_a_budget_list_outside_0_to_1023_is_refused(capsys, clean_env):
     clean_env.setenv("SGLANG_DDTREE_BUDGETS", "8,2000")
     assert main() == 1
-    assert "names a budget outside 1..1023" in capsys.readouterr().err
+    assert "names a budget outside 0..1023" in capsys.readouterr().err
 
 
 def test_sglang_plugins_leaving_the_plugin_out_is_named(capsys, clean_env):

@@ -102,7 +102,7 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--budget", type=positive_int, default=32, help="DDTree tree budget B")
     ap.add_argument("--auto-budgets", type=positive_int_list, default=None,
                     help="also run DDTree choosing, per step, the budget among these with the "
-                         "most tokens per ms (step costs timed here first; budget.py)")
+                         "most tokens per ms (step costs timed here first; budget/controller.py)")
     ap.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     ap.add_argument("--threads", type=non_negative_int, default=0,
                     help="torch CPU threads (0 = torch's default)")

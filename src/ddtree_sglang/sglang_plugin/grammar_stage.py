@@ -98,8 +98,8 @@ class GrammarStep:
 
     mask: SGLang's GrammarMask over every node ([bs * n] rows; rows of walked and
         unconstrained requests allow all), None when no request needs one.
-    greedy: the requests that walk by the target's top-K (grammar_masks.follow_paths);
-    sampled: those that walk with a mask per visited node (grammar_masks.sample_paths).
+    greedy: the requests that walk by the target's top-K (grammar.masks.follow_paths);
+    sampled: those that walk with a mask per visited node (grammar.masks.sample_paths).
     """
 
     mask: Any | None
@@ -196,7 +196,7 @@ def sampled_grammar_choices(step: GrammarStep | None, logits: torch.Tensor,
                             choice: torch.Tensor, width: int, vocab: int, sample,
                             costs: MaskCosts | None = None) -> torch.Tensor:
     """The choices [bs, width] with each sampled walk's path nodes drawn under their masks
-    (grammar_masks.sample_paths; `sample(rows, req_rows, nodes)` draws one token per masked
+    (grammar.masks.sample_paths; `sample(rows, req_rows, nodes)` draws one token per masked
     logits row); the visited rows of `logits` are left masked for the logprobs."""
     if step is None or not step.sampled.walks:
         return choice
@@ -218,7 +218,7 @@ def start_grammar_step(batch, grammar_tree, width: int, barrier: Callable[[], No
 
 
 def grammar_spines(reqs: list, depth: int, device) -> torch.Tensor:
-    """[bs, depth] the forced spine of each request (grammar_forcing.forced_tokens: what its
+    """[bs, depth] the forced spine of each request (grammar.forcing.forced_tokens: what its
     grammar forces from the committed tokens, tokenized by its tokenizer), -1 past it and for
     requests without a native grammar or a tokenizer; on the device, copied without a wait."""
     spines = []

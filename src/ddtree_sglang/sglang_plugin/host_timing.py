@@ -1,4 +1,4 @@
-"""Host time of each decode step, by stage (SGLANG_DDTREE_HOST_TIMING=1): does the host keep
+"""Host time of each decode step, by stage (SGLANG_DDTREE_DEBUG=host_timing): does the host keep
 the GPU waiting?
 
 A step's GPU time and its wall time can differ: the GPU may wait for the host to launch the

@@ -91,7 +91,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         return sg.DFlashWorkerV2.__getattr__(self, name)
 
     def _choose_kernels(self, target_worker, gpu_id: int) -> Kernels:
-        """Every kernel of the step checked once on this GPU (kernel_choice.py); the verify
+        """Every kernel of the step checked once on this GPU (kernels/choice.py); the verify
         attention variant is compared here with SGLang's own extend kernel and installed by
         init_attention_backends where the target's backend is triton."""
         s = self.ddtree_settings

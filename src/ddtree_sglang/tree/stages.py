@@ -30,7 +30,7 @@ __all__ = ["CommitSlots", "StepCommit", "TreeStageOutput", "VerifyLayout", "acce
            "tree_stage", "truncate_layout", "unpack_commit_stage", "unpack_tree_stage",
            "full_mask", "verify_widths"]
 
-# (draft logits [bs, L, V], budget) -> the B-best trees (kernel_choice.Kernels.build_tree)
+# (draft logits [bs, L, V], budget) -> the B-best trees (kernels.choice.Kernels.build_tree)
 Builder = Callable[[torch.Tensor, int], DraftTree]
 
 
@@ -81,7 +81,7 @@ def tree_stage(draft_logits: torch.Tensor, roots: torch.Tensor, seq_lens: torch.
     every verify width (verify_widths), the mask positions of every width of stage_widths
     (verify_layout.mask_positions), with `candidate_budgets` (each <= budget) [bs, K, depth]
     the drafter's expected acceptance per depth of the tree cut to each candidate
-    (budget.expected_by_depth_per_request), and the lengths."""
+    (budget.controller.expected_by_depth_per_request), and the lengths."""
     tree = builder(draft_logits, budget)
     full = build_verify_layout(tree, roots, seq_lens, max_depth=depth)
     out: tuple = ()
