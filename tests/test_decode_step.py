@@ -223,7 +223,7 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     assert w.io.calls == [("verify", ("narrow backend", "narrow graphs"))]
     assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
                                                                       "configured graphs")
-    assert out.grammar == "grammar step" and out.out_cache_loc == "slots"
+    assert out.grammar_step == "grammar step" and out.out_cache_loc == "slots"
     assert out.forward_batch == "verify batch" and out.can_run_graph
     assert barrier == [1]
     assert built[0] == dict(tree="tree copy", width=6, method="tree", costs=w.mask_costs)
@@ -251,7 +251,7 @@ def test_sample_and_accept_masks_every_node_before_choosing():
     tree = drafted(w, batch, plan)
     logits = torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(2))
     verified = Verified(logits_output=None, logits=logits.clone(), forward_batch=None,
-                        can_run_graph=True, grammar=GrammarStep(mask=EvenTokens()),
+                        can_run_graph=True, grammar_step=GrammarStep(mask=EvenTokens()),
                         out_cache_loc=torch.arange(2 * (B + 1)))
     acc = w.sample_and_accept(batch, plan, tree, verified)
     assert (acc.choice % 2 == 0).all()  # every node's choice obeys the grammar

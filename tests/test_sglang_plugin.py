@@ -512,7 +512,8 @@ def test_contract_covers_overrides_and_copied_source(monkeypatch):
     # each changed parent body is named with the copy to review
     for method, copy in (("DFlashDraftInputV2.prepare_for_decode", ["draft_input.py"]),
                          ("DFlashWorkerV2.forward_batch_generation",
-                          ["model_io.py DFlashModelIO.draft_block", "worker.py DDTreeWorker._prefill"])):
+                          ["model_io.py DFlashModelIO.draft_block",
+                           "worker.py DDTreeWorker._prefill_or_idle"])):
         assert any(method in p and "changed since DDTREE copied it" in p
                    and all(c in p for c in copy) for p in problems), method
     with pytest.raises(RuntimeError, match="lacks internals"):

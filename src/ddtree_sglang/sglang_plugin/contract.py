@@ -128,7 +128,7 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend": (),
     # per-request, per-step values SGLang copies into each response's meta_info
     "sglang.srt.layers.logits_processor.LogitsProcessorOutput": ("customized_info",),
-    # prefill (worker.DDTreeWorker._prefill): the target pass that also serves input logprobs
+    # prefill (worker.DDTreeWorker._prefill_or_idle): the target pass that also serves input logprobs
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation":
         ("batch", "forward_batch", "is_verify", "capture_hidden_mode"),
     "sglang.srt.model_executor.forward_batch_info.compute_position":
@@ -191,7 +191,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
 COPIED: dict[str, tuple[str, str]] = {
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation":
         ("3d121465b68fda4b", "sglang_plugin/model_io.py DFlashModelIO.draft_block (its block "
-         "draft) and sglang_plugin/worker.py DDTreeWorker._prefill (its prefill)"),
+         "draft) and sglang_plugin/worker.py DDTreeWorker._prefill_or_idle (its prefill)"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode":
         ("b88aafc416effc8f", "sglang_plugin/draft_input.py DDTreeDraftInput.prepare_for_decode"),
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state":

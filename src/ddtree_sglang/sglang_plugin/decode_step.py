@@ -211,14 +211,14 @@ class DecodeStep:
             batch, plan.draft_input, tree.layout, tree.mask_positions,
             self.stages.tree.mask_buffer(plan.width, plan.bs))
         sg.detect_nan(logits_output.next_token_logits, "DDTREE verify logits")
-        grammar = None
+        grammar_step = None
         if tree.grammar_tree is not None:
-            grammar = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
+            grammar_step = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
                                          logits_output.next_token_logits.device,
                                          self.settings.grammar_method, self.mask_costs)
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=forward_batch, can_run_graph=can_run_graph,
-                        grammar=grammar, out_cache_loc=slots)
+                        grammar_step=grammar_step, out_cache_loc=slots)
 
     def sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
                           verified: Verified) -> Accepted:
@@ -227,9 +227,9 @@ class DecodeStep:
         node, and the walk along them."""
         bs, n, lay = plan.bs, plan.width, tree.layout
         logits = verified.logits
-        grammar = verified.grammar
-        if grammar is not None and grammar.mask is not None:
-            grammar.mask.apply(logits)
+        grammar_step = verified.grammar_step
+        if grammar_step is not None and grammar_step.mask is not None:
+            grammar_step.mask.apply(logits)
         penalties = self.penalties.params(batch.reqs)
         if penalties is not None:
             counts, out_len = self.penalties.rows_of(batch.req_pool_indices)
@@ -239,11 +239,11 @@ class DecodeStep:
         sg.apply_dflash_verify_logits_adjustments(
             next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
         seeds = request_seeds(batch.reqs, logits.device)
-        choice_in, slots_in = self.stages.accept.inputs(bs, n)
+        choice_in, verify_slots = self.stages.accept.inputs(bs, n)
         choice = sample_per_node(logits, batch.sampling_info, n, seeds, lay.positions,
                                  out=choice_in.view(-1)).view(bs, n)
-        choice, _ = grammar_choices(grammar, logits, choice, n, self.vocab_size,
-                                    self.mask_costs)
+        choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
+                                 self.mask_costs)
 
         def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
             index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
@@ -251,11 +251,11 @@ class DecodeStep:
             return sample_for_requests(rows, batch.sampling_info, index, seeds,
                                        lay.positions.index_select(0, flat))
 
-        choice = sampled_grammar_choices(grammar, logits, choice, n, self.vocab_size, sample,
-                                         self.mask_costs)
+        choice = sampled_grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
+                                         sample, self.mask_costs)
         if choice.data_ptr() != choice_in.data_ptr():  # sampled or walked: a tensor of its own
             choice_in.copy_(choice)
-        slots_in.copy_(verified.out_cache_loc)
+        verify_slots.copy_(verified.out_cache_loc)
         simulated = self.stages.accept.simulated
         if simulated is not None:  # SGLANG_SIMULATE_ACC_LEN: this step's forced commit length
             self.stages.accept.forced_len.fill_(sg.simulated_commit_len(simulated[0],
@@ -286,6 +286,8 @@ class DecodeStep:
             accept_lens=step.commit_lens,
             can_run_cuda_graph=verified.can_run_graph,
             next_draft_input=self.io.next_draft_input(step.bonus, new_seq_lens),
+            # SGLang's name for the row width of next_token_ids ([bs, out_width], the draft
+            # block); the worker's own speculative_num_draft_tokens is the verify width B + 1
             speculative_num_draft_tokens=self.out_width,
             new_seq_lens=new_seq_lens,
             extra_keep_alive_refs=[verified.forward_batch],

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddtree_sglang.grammar.masks import (PathStats, PathWalk, allow_all, fill_tree_masks,
+from ddtree_sglang.grammar.masks import (PathWalk, allow_all, fill_tree_masks,
                                          follow_paths, follow_sampled_paths)
 from ddtree_sglang.grammar.forcing import forced_rows, forced_tokens
 from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
@@ -181,13 +181,13 @@ def build_grammar_step(reqs: list, links: tuple[torch.Tensor, ...], width: int, 
 
 def grammar_choices(step: GrammarStep | None, logits: torch.Tensor, choice: torch.Tensor,
                     width: int, vocab: int,
-                    costs: MaskCosts | None = None) -> tuple[torch.Tensor, PathStats | None]:
+                    costs: MaskCosts | None = None) -> torch.Tensor:
     """The device's choices [bs, width] with each walked request's path replaced by its
     grammar's greedy choice (processed logits [bs * width, V], unmasked on walked rows); each
     walk's host time goes to `costs`."""
     if step is None or not step.greedy.walks:
-        return choice, None
-    out = follow_paths(logits, choice, step.greedy.rows, step.greedy.walks, width, vocab)
+        return choice
+    out, _ = follow_paths(logits, choice, step.greedy.rows, step.greedy.walks, width, vocab)
     step.greedy.record(costs)
     return out
 

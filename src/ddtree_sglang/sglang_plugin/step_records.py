@@ -60,8 +60,8 @@ class Verified:
     logits [bs * n, V]: the target's raw logits at every node.  The sample-and-accept stage
         processes this buffer in place (no copy of bs * n x V) and hands the result on as
         Accepted.logits; read the processed values there, never here.
-    grammar: the step's GrammarStep (grammar_stage.py): node masks built on the host while the
-        verify pass runs and the greedy walks, None when no request has a grammar.
+    grammar_step: the step's GrammarStep (grammar_stage.py): node masks built on the host while
+        the verify pass runs and the greedy walks, None when no request has a grammar.
     out_cache_loc [bs * n]: the KV slots the verify wrote the nodes' K/V into.
     """
 
@@ -69,7 +69,7 @@ class Verified:
     logits: torch.Tensor
     forward_batch: Any
     can_run_graph: bool
-    grammar: Any | None
+    grammar_step: Any | None
     out_cache_loc: torch.Tensor | None = None
 
 

@@ -237,10 +237,10 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             raise RuntimeError("DDTREE: a forward pass before init_cuda_graphs built the step")
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or \
                 batch.forward_mode.is_idle():
-            return self._prefill(step, batch, on_publish, grammar_barrier)
+            return self._prefill_or_idle(step, batch, on_publish, grammar_barrier)
         return step.run(batch, on_publish, grammar_barrier)
 
-    def _prefill(self, step: DecodeStep, batch, on_publish, grammar_barrier):
+    def _prefill_or_idle(self, step: DecodeStep, batch, on_publish, grammar_barrier):
         """The target's prefill pass, which also samples the first token (and computes input
         and output logprobs when asked), then the prompt's target features into the draft KV:
         DFLASH's prefill (a copy of that part of DFlashWorkerV2.forward_batch_generation,
