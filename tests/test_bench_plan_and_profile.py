@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+from test_bench import write_config as bench_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the stand-in server module
@@ -30,18 +30,11 @@ PYTHONPATH = f"{ROOT / 'tests'}:{ROOT / 'src'}:{ROOT / 'benchmarks'}"
 
 
 def write_config(tmp_path: Path, **overrides) -> Path:
-    cfg = dict(name="fake", model_path=str(ROOT / "testbed" / "target"),
-               draft_model_path=str(ROOT / "testbed" / "drafter"), gpus=[0],
-               arms=[{"name": "dflash", "algorithm": "DFLASH"},
-                     {"name": "ddtree-b15", "algorithm": "DDTREE", "budget": 15,
-                      "env": {"SGLANG_DDTREE_GRAMMAR": "auto"}}],
-               concurrency=[1, 4], prompts={"source": str(ROOT / "testbed" / "prompts.jsonl"),
-                                            "limit": 6},
-               max_new_tokens=12, startup_timeout_s=60, launcher_module="fake_sglang_server")
-    cfg.update(overrides)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    """test_bench's stand-in config on one GPU, a DFLASH arm and a DDTREE arm with a knob."""
+    arms = [{"name": "dflash", "algorithm": "DFLASH"},
+            {"name": "ddtree-b15", "algorithm": "DDTREE", "budget": 15,
+             "env": {"SGLANG_DDTREE_GRAMMAR": "auto"}}]
+    return bench_config(tmp_path, **{"gpus": [0], "arms": arms, **overrides})
 
 
 @pytest.fixture
