@@ -1,7 +1,8 @@
 """sglang_plugin/hybrid.py against SGLang 0.5.17's own hybrid backend code, on the CPU.
 
 * In process: SGLang's MambaAttnBackendBase metadata (eager and CUDA-graph buffers) gets our
-  layout's links only once enable_tree_verify ran; the commit hands the backend the node's
+  layout's links only once the linear half's topk is raised (raise_topk stands in for the
+  patches.py write the wiring adds); the commit hands the backend the node's
   index SGLang's EAGLE commit computes; SGLang's own scatter orchestration (its CUDA kernels
   swapped for ports of their documented semantics) leaves the toy state of test_hybrid.py
   fed token by token; pool_problems on SGLang's pool layouts.
@@ -84,6 +85,13 @@ def hybrid_backend(names, linear):
     return names["HybridLinearAttnBackend"](full, linear, [1])
 
 
+def raise_topk(attn_backend) -> None:
+    """What the wiring's patches.py write does to a hybrid target's verify backend: the linear
+    half hybrid.tree_verify_backend names gets topk = TREE_TOPK."""
+    linear = hybrid.tree_verify_backend(attn_backend)
+    linear.topk = hybrid.TREE_TOPK
+
+
 def verify_input(lay: VerifyLayout, seq_lens: torch.Tensor):
     """The EagleVerifyInput DFlashModelIO.target_verify builds for a layout."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -118,7 +126,9 @@ def test_eager_verify_gets_the_links_once_tree_verify_is_on(names):
     batch = verify_batch(lay, verify_input(lay, seq_lens), torch.tensor([2, 0, 1]))
     before = linear._forward_metadata(batch)
     assert before.retrieve_next_token is None and before.retrieve_parent_token is None
-    assert hybrid.enable_tree_verify(backend) and linear.topk == hybrid.TREE_TOPK
+    assert not hybrid.tree_links_on(backend)
+    raise_topk(backend)
+    assert hybrid.tree_links_on(backend)
     meta = linear._forward_metadata(batch)
     assert meta.retrieve_next_token is lay.retrieve_next_token
     assert meta.retrieve_next_sibling is lay.retrieve_next_sibling
@@ -143,7 +153,7 @@ def test_graph_buffers_bound_at_capture_and_filled_at_replay(names):
                                    ForwardMode.TARGET_VERIFY, None).retrieve_next_token is None
 
     linear = gdn_linear_backend(names, pool)
-    hybrid.enable_tree_verify(hybrid_backend(names, linear))
+    raise_topk(hybrid_backend(names, linear))
     linear.init_cuda_graph_state(4, 4 * n)  # a graph of 4 requests, this step has 3
     captured = linear._capture_metadata(4, torch.zeros(4, dtype=torch.long),
                                         ForwardMode.TARGET_VERIFY, None)
@@ -156,18 +166,18 @@ def test_graph_buffers_bound_at_capture_and_filled_at_replay(names):
     assert replay.mamba_cache_indices.tolist() == [5, 7, 2, -1]  # the padding row is skipped
 
 
-def test_enable_tree_verify_leaves_other_targets_alone_and_refuses_other_layers(names):
-    assert not hybrid.enable_tree_verify(SimpleNamespace(topk=1))
-    assert hybrid.linear_backend(SimpleNamespace()) is None
+def test_tree_verify_backend_leaves_other_targets_alone_and_refuses_other_layers(names):
+    plain = SimpleNamespace(name="plain", topk=1)
+    assert hybrid.tree_verify_backend(plain) is None and hybrid.tree_links_on(plain)
+    assert hybrid.linear_backend(plain) is None
+    assert hybrid.full_attention_backend(plain) is plain
     linear = gdn_linear_backend(names, FakeReqPool(torch.arange(2)), topk=None)
     backend = hybrid_backend(names, linear)
     assert hybrid.full_attention_backend(backend).name == "full"
-    plain = SimpleNamespace(name="plain")
-    assert hybrid.full_attention_backend(plain) is plain
-    assert hybrid.enable_tree_verify(backend) and linear.topk == hybrid.TREE_TOPK
-    other = SimpleNamespace(needs_cpu_seq_lens=False, topk=0)
+    assert hybrid.tree_verify_backend(backend) is linear and not hybrid.tree_links_on(backend)
+    other = SimpleNamespace(needs_cpu_seq_lens=False, topk=2)
     with pytest.raises(RuntimeError, match="gated-delta"):
-        hybrid.enable_tree_verify(hybrid_backend(names, other))
+        hybrid.tree_verify_backend(hybrid_backend(names, other))
 
 
 def dedup_windows(layers: int, slots: int, steps: int, dim: int, win: int) -> torch.Tensor:

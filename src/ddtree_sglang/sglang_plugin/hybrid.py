@@ -8,8 +8,9 @@ path (tree/hybrid.py states the conventions, with file:line).  What it takes:
   derives retrieve_parent_token from them.  But the hybrid backend's linear half passes the
   links only when its `topk` (read from --speculative-eagle-topk at its construction, which
   DDTREE sets to 1) is above 1, in the eager metadata and when CUDA graphs are captured and
-  replayed (hybrid_linear_attn_backend.py:195, :525, :696): `enable_tree_verify` raises it, on
-  every verify runtime's backend, before its graphs are captured.
+  replayed (hybrid_linear_attn_backend.py:195, :525, :696): on every verify runtime's backend,
+  before its graphs are captured, `tree_verify_backend`'s topk is raised to TREE_TOPK (a write
+  for patches.py) and `tree_links_on` confirms it.
 * The pool: per-node intermediate states (absent under --enable-linear-replayssm-spec) with a
   step per verify token, and dense conv windows (SGLang shares windows between consecutive
   steps when --speculative-eagle-topk <= 1, which is right for a chain only): `pool_problems`.
@@ -51,20 +52,24 @@ def full_attention_backend(attn_backend):
     return attn_backend
 
 
-def enable_tree_verify(attn_backend) -> bool:
-    """Make a hybrid target's recurrent layers verify along the tree; returns whether the
-    backend is hybrid.  Must run before the backend's verify CUDA graphs are captured (the
-    capture records whether the link buffers are bound).  The one write into SGLang's objects
-    here: the linear backend's `topk`."""
+def tree_verify_backend(attn_backend) -> Any | None:
+    """The recurrent half of a hybrid target's attention backend, which must verify along the
+    tree: its `topk` raised to TREE_TOPK before its verify CUDA graphs are captured (the capture
+    records whether the link buffers are bound; the write belongs to patches.py, like every
+    write into SGLang's objects).  None for a target without recurrent layers; refused for
+    recurrent layers other than gated-delta ones (the only tree verify checked here)."""
     linear = linear_backend(attn_backend)
-    if linear is None:
-        return False
-    if not isinstance(linear, sg.GDNAttnBackend):
+    if linear is not None and not isinstance(linear, sg.GDNAttnBackend):
         raise RuntimeError(f"DDTREE verifies trees on gated-delta (GDN) hybrid targets only; "
                            f"this target's recurrent layers use {type(linear).__name__}")
-    if linear.topk <= 1:
-        linear.topk = TREE_TOPK
-    return True
+    return linear
+
+
+def tree_links_on(attn_backend) -> bool:
+    """Whether a target's verify hands its recurrent layers the tree links (always true for a
+    target without recurrent layers): a startup check, after the raise and before the capture."""
+    linear = tree_verify_backend(attn_backend)
+    return linear is None or (linear.topk or 0) > 1
 
 
 def pool_problems(req_to_token_pool, width: int) -> list[str]:
