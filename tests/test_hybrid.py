@@ -7,6 +7,10 @@ kernel_parents: kernels/ops/mamba/causal_conv1d_triton.py:806-827).  test_hybrid
 the real kernels under the Triton interpreter.  The recurrent state is a toy one, an exact
 modular linear recurrence over token ids, scanned over the tree as SGLang's verify scans it."""
 
+import importlib.util
+import zlib
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -272,3 +276,71 @@ def test_track_step_is_the_node_below_the_multiple(seq_len, expected):
     assert commit.commit_lens.tolist() == [3]
     got = track_steps(commit.accept_index, commit.commit_lens, 4, torch.tensor([seq_len]), 8)
     assert got.tolist() == [expected]
+
+
+# -- the hybrid testbed (scripts/make_hybrid_testbed.py, testbed_hybrid/) ------------------------
+ROOT = Path(__file__).resolve().parents[1]
+HYBRID = ROOT / "testbed_hybrid"
+
+
+@pytest.fixture(scope="module")
+def make_hybrid():
+    spec = importlib.util.spec_from_file_location("make_hybrid_testbed",
+                                                  ROOT / "scripts" / "make_hybrid_testbed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_greedy_acceptance_of_the_script_is_the_reference_loops(make_hybrid):
+    """The script's acceptance (walk the tree along the target's greedy continuation) against
+    the reference loop's (tree-masked verify passes), on the attention-only pair where both
+    run: the same tokens committed at every step but the last (the script's walk stops at the
+    continuation's end, the loop's output is cut there)."""
+    from ddtree_sglang.reference.testbed import DEFAULT_TESTBED, load_testbed
+
+    tb = load_testbed(DEFAULT_TESTBED)
+    spec = tb.speculator
+    steps = 0
+    for row in tb.prompts[:3]:
+        prompt = tb.encode(row)
+        cont = spec.generate(prompt, 24, mode="ar").tokens
+        for budget in (None, 8):
+            ref = spec.generate(prompt, 24, mode="chain" if budget is None else "ddtree",
+                                budget=budget or 1)
+            got = make_hybrid.greedy_tau(spec.target, spec.drafter, prompt, cont, budget)
+            assert got[:-1] == ref.accept_lens[:-1], (budget, got, ref.accept_lens)
+            # the prefill's token, then each step's; the last bonus may lie past the end
+            assert len(cont) <= 1 + sum(got) <= len(cont) + 1 <= 1 + sum(ref.accept_lens) + 1
+            steps += len(got)
+    assert steps > 12
+
+
+@pytest.mark.skipif(not HYBRID.is_dir(), reason="no testbed_hybrid/ in this checkout")
+def test_the_shipped_hybrid_testbed_is_what_the_script_writes(make_hybrid, tmp_path):
+    import json
+
+    meta = json.loads((HYBRID / "made_with.json").read_text())
+    cfg = json.loads((HYBRID / "target" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3NextForCausalLM"] and cfg["model_type"] == "qwen3_next"
+    kinds = cfg["layer_types"]
+    assert {"linear_attention", "full_attention"} == set(kinds)
+    assert [i for i, k in enumerate(kinds) if k == "full_attention"] == \
+        [i for i in range(len(kinds)) if (i + 1) % cfg["full_attention_interval"] == 0]
+    drafter = json.loads((HYBRID / "drafter" / "config.json").read_text())
+    assert all(kinds[t] == "full_attention" for t in drafter["dflash_config"]["target_layer_ids"])
+    assert drafter["num_target_layers"] == len(kinds)
+    assert (HYBRID / "drafter" / "model.safetensors").resolve().is_file()
+    files = [p for p in HYBRID.rglob("*") if p.is_file() and not p.is_symlink()]
+    # what git stores (zlib): the gated-delta layers' zero MLPs take no room there
+    assert sum(len(zlib.compress(p.read_bytes(), 1)) for p in files) < 10 * 2**20
+    check = torch.randint(4, 4000, (50,), generator=torch.Generator().manual_seed(0))
+    src, model = make_hybrid.build(ROOT / "testbed", meta["arch"], meta["linear_scale"],
+                                   meta["seed"], tuple(meta["linear_heads"]),
+                                   tuple(meta["linear_dims"]), check)
+    make_hybrid.write(tmp_path, ROOT / "testbed", model)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "target" / name).read_bytes() == \
+            (HYBRID / "target" / name).read_bytes(), name
+    assert (tmp_path / "drafter" / "config.json").read_text() == \
+        (HYBRID / "drafter" / "config.json").read_text()

@@ -451,3 +451,40 @@ def interpreted_check() -> int:
 
 if __name__ == "__main__":
     print("HYBRID KERNELS OK", interpreted_check())
+
+
+HYBRID_TESTBED = Path(__file__).resolve().parents[1] / "testbed_hybrid"
+
+
+@pytest.mark.skipif(not HYBRID_TESTBED.is_dir(), reason="no testbed_hybrid/ in this checkout")
+def test_sglang_reads_the_hybrid_testbed_as_a_gated_delta_target():
+    """SGLang's own config class and model class for testbed_hybrid/target: a Qwen3-Next
+    model whose gated-delta layers sit where transformers puts them (SGLang places them by
+    full_attention_interval, not layer_types), with the rotary and expert settings the
+    carry-over relies on, a model class that captures a DFlash drafter's features, and
+    weights under the names its loader maps."""
+    import json
+
+    from safetensors import safe_open
+    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+    from sglang.srt.models.qwen3_next import EntryClass
+
+    raw = json.loads((HYBRID_TESTBED / "target" / "config.json").read_text())
+    cfg = Qwen3NextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    kinds = raw["layer_types"]
+    assert cfg.full_attention_layer_ids == [i for i, k in enumerate(kinds) if k == "full_attention"]
+    assert cfg.linear_layer_ids == [i for i, k in enumerate(kinds) if k == "linear_attention"]
+    assert cfg.linear_layer_ids and cfg.full_attention_layer_ids
+    assert (cfg.partial_rotary_factor, cfg.num_experts, cfg.num_experts_per_tok) == (1.0, 1, 1)
+    assert not cfg.tie_word_embeddings
+    assert EntryClass.__name__ == raw["architectures"][0]
+    assert hasattr(EntryClass, "set_dflash_layers_to_capture")
+    assert hybrid_gdn_config(SimpleNamespace(hf_config=cfg)) is cfg
+    with safe_open(str(HYBRID_TESTBED / "target" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" in names
+    assert {n.split(".", 3)[3] for n in names if n.startswith("model.layers.0.")} >= {
+        "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
+        "linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias",
+        "mlp.experts.0.gate_proj.weight", "mlp.shared_expert.down_proj.weight"}
