@@ -344,3 +344,21 @@ def test_the_shipped_hybrid_testbed_is_what_the_script_writes(make_hybrid, tmp_p
             (HYBRID / "target" / name).read_bytes(), name
     assert (tmp_path / "drafter" / "config.json").read_text() == \
         (HYBRID / "drafter" / "config.json").read_text()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--linear-heads", "2"], "--linear-heads and --linear-dims take two numbers each"),
+    (["--source", "/nonexistent"], "--source /nonexistent: no target/config.json"),
+    (["--arch", "mamba"], "argument --arch: invalid choice"),
+])
+def test_the_script_refuses_bad_input_in_one_line(argv, needle, monkeypatch, capsys, tmp_path):
+    import runpy
+    import sys
+
+    path = ROOT / "scripts" / "make_hybrid_testbed.py"
+    monkeypatch.setattr(sys, "argv", [str(path), "--out", str(tmp_path / "out"), *argv])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(path), run_name="__main__")
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "out").exists()
