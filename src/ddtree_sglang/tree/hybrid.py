@@ -13,8 +13,8 @@ pushes i at the head of its parent's child list), and so does verify_layout.sibl
 Parent links.  retrieve_parent_token [bs, N] is not an input: the hybrid backend allocates it
 empty (srt/layers/attention/hybrid_linear_attn_backend.py:195-202; the CUDA-graph buffer
 :449-453) and the tree causal-conv kernel fills it from the two links in one pass over the
-tokens in index order (kernels/ops/mamba/causal_conv1d_triton.py:559-573, :767-786, :806-827, :977-986):
-at token i, parent[next_token[i]] = i and parent[next_sibling[i]] = parent[i].  The root's entry
+tokens in index order (kernels/ops/mamba/causal_conv1d_triton.py:559-573, :767-786, :806-827,
+:977-986): at token i, parent[next_token[i]] = i and parent[next_sibling[i]] = parent[i].  The root's entry
 stays 0.  That pass is right only when every node comes after its parent (the recurrent kernel
 also reads the parent's state, written earlier in the same loop), which DDTree's best-first,
 parents-first trees satisfy: `scan_order_ok` checks it.
@@ -23,20 +23,20 @@ Per-node states.  The gated-delta verify (kernels/ops/attention/fla/
 fused_sigmoid_gating_recurrent.py:148-166, :291-305) starts token 0 from the committed state and
 every other token i from the cached state of parent[i]; it writes the state after token i to
 intermediate_ssm[layer][row, i] (row = the request's position in the batch, linear/utils.py:106;
-steps sized by --speculative-num-draft-tokens, mem_cache/memory_pool.py:679-700).  The conv
+steps: max_speculative_num_draft_tokens, mem_cache/memory_pool.py:679-700).  The conv
 kernel writes node i's last K-1 inputs along its own path to intermediate_conv_window
 [layer][row, i] (causal_conv1d_triton.py:860-876); that needs the dense window layout, which
 SGLang allocates only when speculative_eagle_topk > 1 (memory_pool.py:117-132, :726-764).
 
 Commit.  After the accept, the state to keep is the one after the last accepted node: its tree
-index, not a chain row (speculative/spec_utils.py:782-808: accept_index[b, accept_lens[b] - 1]
+index, not a chain row (speculative/spec_utils.py:781-803: accept_index[b, accept_lens[b] - 1]
 - b * N, accept_lens counting the bonus, i.e. root + accepted nodes).  The backend copies
 intermediate[row b, that index] into the request's persistent slot
 (hybrid_linear_attn_backend.py:1183-1239; kernels/ops/mamba/mamba_state_scatter_triton.py:
 457-499: dst[:, slot[b]] = src[:, b, step[b]], steps < 0 skipped).  With the radix cache's
 mamba tracking (extra_buffer), the state after the token at a multiple of the track interval
 also goes to the track slot: the path entry tracking_point - seq_len - 1 (spec_utils.py:
-809-823).  DFLASH's own commit (speculative/dflash_worker_v2.py:1249-1296) takes commit_lens - 1
+804-823).  DFLASH's own commit (speculative/dflash_worker_v2.py:1249-1296) takes commit_lens - 1
 as the index: right for its chain, wrong for a tree.
 """
 
