@@ -62,6 +62,9 @@ class FakeIO:
     def next_draft_input(self, bonus_tokens, seq_lens):
         return make_draft_input(bonus_tokens, seq_lens)
 
+    def commit_recurrent_state(self, verify_backend, batch, step, width):
+        self.calls.append(("recurrent", verify_backend))
+
 
 LM_HEAD = SimpleNamespace(weight=torch.randn(V, H, generator=torch.Generator().manual_seed(0)))
 
@@ -340,7 +343,8 @@ def test_commit_adds_logprobs_in_sglang_s_spec_layout(monkeypatch):
     w.io.calls.clear()
     result = w.commit(batch, plan, tree, verified, acc, published.append)
     step = acc.commit
-    assert w.io.calls == [("move", acc.slots.kv_target), ("features", acc.slots.draft_slots)]
+    assert w.io.calls == [("recurrent", None), ("move", acc.slots.kv_target),
+                          ("features", acc.slots.draft_slots)]
     assert acc.slots.kv_target[:, 0].tolist() == [100, 100 + B + 1]  # each request's own slots
     assert torch.equal(result.accept_lens, step.commit_lens)
     assert torch.equal(result.next_token_ids, step.tokens.reshape(-1))
@@ -411,7 +415,8 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
     moved = next(c[1] for c in w.io.calls if c[0] == "move")
     slots = 100 + torch.arange(2 * (B + 1))  # the fake verify's KV slots
     assert torch.equal(moved, slots.view(2, B + 1)[:, :BLOCK])  # each path's committed slots
-    assert [c[0] for c in w.io.calls] == ["draft", "verify", "move", "features"]
+    assert [c[0] for c in w.io.calls] == ["draft", "verify", "recurrent", "move", "features"]
+    assert w.io.calls[2][1] == "configured backend"  # the recurrent commit: the verify's backend
 
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
@@ -554,11 +559,12 @@ def test_a_step_without_speculation_drafts_nothing_and_decodes_one_token():
                                       hidden_states=torch.randn(2, H), customized_info=None)
     seq = batch.seq_lens.clone()
     result = w.run(batch)
-    assert [c[0] for c in w.io.calls] == ["verify", "move", "features"]  # no draft
+    assert [c[0] for c in w.io.calls] == ["verify", "recurrent", "move", "features"]  # no draft
     assert w.io.calls[0][1] == ("w1 backend", "w1 graphs")  # the width-1 runtime
     assert result.accept_lens.tolist() == [1, 1]
     assert result.next_token_ids.view(2, BLOCK)[:, 0].tolist() == logits.argmax(-1).tolist()
     assert torch.equal(result.new_seq_lens, seq + 1)
     assert observed[0][:3] == (2, 0, None)  # no tree: no predictions to learn from
-    features = w.io.calls[2][1]  # the draft-KV slots: each request's root at its own slot
+    assert w.io.calls[1][1] == "w1 backend"  # committed through the backend that verified
+    features = w.io.calls[3][1]  # the draft-KV slots: each request's root at its own slot
     assert features[:, 0].tolist() == [100, 101]

@@ -170,10 +170,10 @@ def test_tree_verify_backend_leaves_other_targets_alone_and_refuses_other_layers
     plain = SimpleNamespace(name="plain", topk=1)
     assert hybrid.tree_verify_backend(plain) is None and hybrid.tree_links_on(plain)
     assert hybrid.linear_backend(plain) is None
-    assert hybrid.full_attention_backend(plain) is plain
+    assert sg.full_attention_backend(plain) is plain
     linear = gdn_linear_backend(names, FakeReqPool(torch.arange(2)), topk=None)
     backend = hybrid_backend(names, linear)
-    assert hybrid.full_attention_backend(backend).name == "full"
+    assert sg.full_attention_backend(backend).name == "full"
     assert hybrid.tree_verify_backend(backend) is linear and not hybrid.tree_links_on(backend)
     other = SimpleNamespace(needs_cpu_seq_lens=False, topk=2)
     with pytest.raises(RuntimeError, match="gated-delta"):

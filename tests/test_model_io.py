@@ -101,3 +101,26 @@ def test_the_step_bound_and_the_relay_state():
     hidden = torch.randn(2, 3, 8)
     head = SimpleNamespace(weight=torch.randn(V + 2, 8))  # a padded vocabulary
     assert torch.allclose(model_io.draft_logits(head, hidden, V), (hidden @ head.weight.T)[..., :V])
+
+
+def test_a_hybrid_target_s_recurrent_state_is_committed_through_the_verify_s_backend(monkeypatch):
+    """The commit goes through the backend that ran the verify, with SGLang's track interval
+    only when the batch tracks prefix states; a target without recurrent layers commits
+    nothing."""
+    from ddtree_sglang.sglang_plugin import hybrid
+
+    io = model_io.DFlashModelIO(fake_worker([]), Kernels(), BLOCK, B + 1, V)
+    io.target_runner = SimpleNamespace(model="the target")
+    calls = []
+    monkeypatch.setattr(hybrid, "commit_recurrent_state",
+                        lambda *a: calls.append(a))
+    monkeypatch.setattr(sg, "mamba_track_interval", lambda: 64)
+    batch = SimpleNamespace(mamba_track_indices=None)
+    io.commit_recurrent_state(SimpleNamespace(), batch, "step", 9)  # no recurrent layers
+    assert calls == []
+    monkeypatch.setattr(hybrid, "linear_backend", lambda backend: "linear half")
+    io.commit_recurrent_state("verify backend", batch, "step", 9)
+    batch.mamba_track_indices = torch.tensor([3])
+    io.commit_recurrent_state("verify backend", batch, "step", 9)
+    assert calls == [("verify backend", "the target", batch, "step", 9, None),
+                     ("verify backend", "the target", batch, "step", 9, 64)]

@@ -114,6 +114,31 @@ def test_drafter_that_is_not_dflash(plugin_loaded, tmp_path):
         make_args(speculative_draft_model_path=str(tmp_path))
 
 
+def test_gated_delta_hybrids_start_only_for_their_gpu_check(tmp_path, monkeypatch):
+    """A Qwen3-Next / Qwen3.5 target is implemented (sglang_plugin/hybrid.py) and refused until
+    its GPU check; SGLANG_DDTREE_DEBUG=unchecked starts it, without the state-pool options whose
+    verify is chain-only; other recurrent layers stay refused."""
+    from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, validate
+
+    gdn = tmp_path / "gdn"
+    gdn.mkdir()
+    (gdn / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    mamba = tmp_path / "mamba"
+    mamba.mkdir()
+    (mamba / "config.json").write_text(json.dumps({"model_type": "nemotron_h"}))
+    base = dict(device="cuda", speculative_draft_model_path=str(DRAFTER),
+                speculative_num_draft_tokens=33, attention_backend="triton", page_size=1,
+                model_path=str(gdn))
+    with pytest.raises(DDTreeConfigError, match="awaits its GPU check.*DEBUG=unchecked"):
+        validate(server_args(**base))
+    monkeypatch.setenv("SGLANG_DDTREE_DEBUG", "unchecked")
+    validate(server_args(**base))
+    with pytest.raises(DDTreeConfigError, match="--enable-linear-replayssm-spec verifies chains"):
+        validate(server_args(**base, enable_linear_replayssm_spec=True))
+    with pytest.raises(DDTreeConfigError, match="does not support this hybrid target"):
+        validate(server_args(**{**base, "model_path": str(mamba)}))
+
+
 def test_validation_rules_without_sglang_pipeline(tmp_path):
     """dp-attention, tp>1 and hybrid targets (the pipeline rejects some of these earlier)."""
     from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, validate
@@ -130,7 +155,7 @@ def test_validation_rules_without_sglang_pipeline(tmp_path):
     for extra, needle in [(dict(enable_dp_attention=True), "--enable-dp-attention"),
                           (dict(tp_size=2), "tensor parallelism is implemented and starts with "
                                            "SGLANG_DDTREE_DEBUG=unchecked"),
-                          (dict(model_path=str(hybrid)), "hybrid (mamba / linear-attention)"),
+                          (dict(model_path=str(hybrid)), "does not support this hybrid target"),
                           (dict(model_path=str(shallow)), "names layers [1] of a 2-layer target; "
                                                           "accepted: 0..0"),
                           (dict(device="cpu"), "CUDA GPUs only"),
@@ -620,3 +645,21 @@ def test_every_parent_attribute_the_worker_writes_is_in_the_contract():
     listed = set(contract.ATTRIBUTES["sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"])
     assert {"block_size", "speculative_num_draft_tokens"} <= written & parents
     assert written & parents <= listed
+
+
+def test_conv_windows_stay_one_per_node_only_under_ddtree(monkeypatch):
+    """SGLang shares a hybrid's verify conv windows between consecutive steps when its EAGLE
+    topk is 1 (a chain); under DDTREE (a tree, topk 1 too) the hook keeps them dense."""
+    from ddtree_sglang.sglang_plugin import plugin
+
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append((args, kwargs))
+        return True
+
+    monkeypatch.setattr(plugin, "_serving_ddtree", lambda: True)
+    assert plugin._conv_window_dedup_hook(original, False, False, 1, False) is False
+    monkeypatch.setattr(plugin, "_serving_ddtree", lambda: False)
+    assert plugin._conv_window_dedup_hook(original, False, False, 1, is_kda=False) is True
+    assert calls == [((False, False, 1), {"is_kda": False})]

@@ -196,6 +196,10 @@ def main() -> None:
         # the reference of the flashinfer arms (same kernels, same bf16 rounding)
         "plain_flashinfer": ServerSpec(target, "plain_flashinfer",
                                        attention_backend="flashinfer"),
+        # a gated-delta hybrid target (--testbed testbed_hybrid): implemented, started for its
+        # GPU check only
+        "ddtree_hybrid": ServerSpec(target, "ddtree_hybrid", "DDTREE", drafter, args.budget + 1,
+                                    env={"SGLANG_DDTREE_DEBUG": "unchecked"}),
         # paged KV (16 tokens a page)
         "ddtree_page16": ServerSpec(target, "ddtree_page16", "DDTREE", drafter, args.budget + 1,
                                     page_size=16),

@@ -138,6 +138,18 @@ CONTRACT: dict[str, tuple[str, ...]] = {
         ("retrieve_next_token", "retrieve_next_sibling", "draft_token"),
     "sglang.srt.constrained.base_grammar_backend.GrammarMask": ("grammar", "vocab_mask"),
     "sglang.srt.speculative.eagle_utils.TreeMaskMode.FULL_MASK": (),
+    # hybrid targets (sglang_plugin/hybrid.py): the recurrent half verifies along the tree and
+    # commits the last accepted node's state; its conv windows stay one per node
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend": (),
+    "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend": (),
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend"
+    ".update_mamba_state_after_mtp_verify":
+        ("last_correct_step_indices", "mamba_track_indices", "mamba_steps_to_track", "model",
+         "req_pool_indices"),
+    "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool.get_speculative_mamba2_params_all_layers":
+        (),
+    "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled":
+        ("is_npu", "is_cpu", "speculative_eagle_topk", "is_kda"),
     # SGLANG_SIMULATE_ACC_LEN, honoured as DFLASH honours it (decode_step.py)
     "sglang.srt.speculative.spec_utils.SIMULATE_ACC_LEN": (),
     "sglang.srt.speculative.spec_utils.SIMULATE_ACC_METHOD": (),
@@ -216,6 +228,19 @@ SOURCE_LINES: dict[str, tuple[str, str]] = {
          "a verify's mask reaches the graph through the backend's buffer"),
     "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd":
         ("skip_prefix_custom_mask=True,", "a tree verify's mask prefix is never read"),
+    # a hybrid target's recurrent layers see the tree links only where the backend's topk > 1
+    # (patches.raise_linear_topk), eagerly and in its verify graphs
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase._forward_metadata":
+        ("if self.topk > 1:", "the eager verify passes the tree links"),
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase._capture_metadata":
+        ("if forward_mode.is_target_verify() and self.topk > 1:",
+         "the captured verify binds the tree-link buffers"),
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase._replay_metadata":
+        ("if forward_mode.is_target_verify() and self.topk > 1:",
+         "the replayed verify fills the tree-link buffers"),
+    "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update":
+        ("HAS_EAGLE_TREE_CUSTOM_ATTN_MASK=retrieve_next_token is not None,",
+         "the conv kernel scans each node's path from the links"),
 }
 
 # Attributes the plugin reads on instances of these classes (their own or inherited).
@@ -230,7 +255,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "enable_dp_attention", "tp_size", "pp_size", "speculative_draft_window_size",
         "speculative_use_rejection_sampling", "speculative_adaptive", "enable_lora",
         "speculative_num_steps", "speculative_eagle_topk", "max_running_requests",
-        "enable_mixed_chunk"),
+        "enable_mixed_chunk", "enable_linear_replayssm_spec", "mamba_radix_cache_strategy"),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2":
         ("device", "draft_model_runner", "model_runner", "ps", "target_worker",
          "_mask_token_id", "_draft_block_ids_buf", "_draft_block_positions_buf",
@@ -254,7 +279,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
          "seq_lens_sum", "req_pool_indices", "out_cache_loc", "reqs", "sampling_info",
          "has_grammar", "return_logprob", "top_logprobs_nums", "token_ids_logprobs",
          "extend_lens", "prefix_lens", "req_to_token_pool", "tree_cache", "device",
-         "batch_size"),
+         "batch_size", "mamba_track_indices"),
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo":
         ("is_all_greedy", "temperatures", "top_ks", "top_ps", "min_ps",
          "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling", "vocab_size",
@@ -279,6 +304,13 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool":
         ("data_ptrs", "data_strides", "page_size"),
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend": ("verify_mask",),
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend":
+        ("linear_attn_backend", "full_attn_backend"),
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase":
+        ("topk", "forward_metadata"),
+    "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ("mamba_pool",),
+    "sglang.srt.mem_cache.memory_pool.MambaPool.SpeculativeState":
+        ("intermediate_ssm", "intermediate_conv_window"),
     "sglang.srt.layers.attention.verify_mask.VerifyMask": ("buffer", "mode", "max_bs", "is_read"),
     "sglang.srt.distributed.parallel_state.GroupCoordinator": ("world_size",),
     "sglang.srt.layers.vocab_parallel_embedding.VocabParallelEmbeddingShardIndices":

@@ -20,9 +20,10 @@ runs four stages over the records of step_records.py, the verify inside its widt
                     greedy constrained requests may walk their grammar along the accepted path
                     instead of masking every node; the accept stage's graph walks the tree and
                     computes everything the commit needs, into a two-slot ring;
-  commit            the accepted nodes' target KV moves to the committed positions, their
-                    hidden states enter the draft KV, and the committed tokens' logprobs are
-                    read off the same node logits when asked.
+  commit            a hybrid target's recurrent state of the last accepted node committed,
+                    the accepted nodes' target KV moved to the committed positions, their
+                    hidden states into the draft KV, and the committed tokens' logprobs read
+                    off the same node logits when asked.
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
 target's top-K per node (greedy) or each depth's draws (sampled).  Each stage runs inside
@@ -218,7 +219,8 @@ class DecodeStep:
                                          self.settings.grammar_method, self.mask_costs)
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=forward_batch, can_run_graph=can_run_graph,
-                        grammar_step=grammar_step, out_cache_loc=slots)
+                        grammar_step=grammar_step, out_cache_loc=slots,
+                        attn_backend=self.io.target_runner.attn_backend)
 
     def sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
                           verified: Verified) -> Accepted:
@@ -271,6 +273,7 @@ class DecodeStep:
         accepted path's KV to its committed positions, its target features into the draft KV,
         the committed tokens' logprobs; the step's result."""
         step, slots = accepted.commit, accepted.slots
+        self.io.commit_recurrent_state(verified.attn_backend, batch, step, plan.width)
         new_seq_lens = slots.new_seq_lens
         if on_publish is not None:
             on_publish(new_seq_lens)

@@ -43,15 +43,6 @@ def linear_backend(attn_backend) -> Any | None:
     return None
 
 
-def full_attention_backend(attn_backend):
-    """The backend the target's attention layers verify with: the full-attention half of a
-    hybrid backend, else the backend itself (where the tree mask buffer and the verify
-    attention kernels live)."""
-    if isinstance(attn_backend, sg.HybridLinearAttnBackend):
-        return attn_backend.full_attn_backend
-    return attn_backend
-
-
 def tree_verify_backend(attn_backend) -> Any | None:
     """The recurrent half of a hybrid target's attention backend, which must verify along the
     tree: its `topk` raised to TREE_TOPK before its verify CUDA graphs are captured (the capture

@@ -16,7 +16,7 @@ import torch
 
 from ddtree_sglang.tree.stages import CommitSlots, StepCommit, full_mask
 from ddtree_sglang.kernels.choice import Kernels
-from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
+from ddtree_sglang.sglang_plugin import hybrid, patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 
 
@@ -44,6 +44,9 @@ class ModelIO(Protocol):
                                   slots: CommitSlots) -> None: ...
 
     def next_draft_input(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor): ...
+
+    def commit_recurrent_state(self, verify_backend, batch, step: StepCommit,
+                               width: int) -> None: ...
 
 
 class DFlashModelIO:
@@ -184,3 +187,14 @@ class DFlashModelIO:
             cache_loc=slots.draft_slots.reshape(-1), positions=slots.draft_positions.reshape(-1),
             cache_loc_2d=slots.draft_slots, commit_lens=step.commit_lens)
         patches.drop_hidden_states(logits_output)
+
+    def commit_recurrent_state(self, verify_backend, batch, step: StepCommit,
+                               width: int) -> None:
+        """A hybrid target's recurrent state after each request's last accepted node -> its
+        slot (sglang_plugin/hybrid.py), through the backend that ran this step's verify; no-op
+        for a target without recurrent layers."""
+        if hybrid.linear_backend(verify_backend) is None:
+            return
+        tracking = getattr(batch, "mamba_track_indices", None) is not None
+        hybrid.commit_recurrent_state(verify_backend, self.target_runner.model, batch, step,
+                                      width, sg.mamba_track_interval() if tracking else None)

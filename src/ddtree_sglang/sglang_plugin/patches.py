@@ -49,11 +49,21 @@ def wrap_verify_attention(backend, wrap) -> None:
     if not sg.is_triton_attention(backend):
         raise RuntimeError(f"the tree verify attention replaces the triton backend's extend "
                            f"kernel; the target's backend is {type(backend).__name__}")
+    backend = sg.full_attention_backend(backend)  # a hybrid target's attention half
     single = getattr(backend, "extend_attention_fwd", None)
     if single is None:
         raise RuntimeError("the triton backend has no extend_attention_fwd attribute")
     backend.extend_attention_fwd = wrap(single, sg.merge_state_triton,
                                         sg.extend_attention_signature())
+
+
+def raise_linear_topk(linear_backend, topk: int) -> None:
+    """A hybrid target's recurrent-layer backend verifies along the tree: SGLang 0.5.17 hands
+    its layers the tree links only where this backend's `topk` (set from
+    --speculative-eagle-topk, 1 for DDTREE) is above 1, when it builds eager metadata and when
+    it captures and replays verify graphs (contract.SOURCE_LINES).  Before the graphs are
+    captured."""
+    linear_backend.topk = topk
 
 
 def add_capture_tail_hook(model_runner, hook) -> None:

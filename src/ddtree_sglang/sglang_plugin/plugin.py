@@ -11,6 +11,9 @@ server arguments are parsed.  It registers the algorithm and three method hooks:
   pass.
 * Req.update_finish_state: EOS / stop strings among the tokens of a multi-token commit that
   crosses max_new_tokens end the request as plain decoding would (see _finish_state_hook).
+* memory_pool.conv_window_dedup_enabled: a hybrid target's verify conv windows stay one per
+  tree node (SGLang shares them between consecutive steps when --speculative-eagle-topk <= 1,
+  right for a chain only; DDTREE sets that topk to 1).
 """
 
 from __future__ import annotations
@@ -148,6 +151,13 @@ def _finish_state_hook(original, req, new_accepted_len: int = 1):
     return original(req, new_accepted_len)
 
 
+def _conv_window_dedup_hook(original, *args, **kwargs):
+    """Under DDTREE a verify is a tree: dense conv windows, one per node."""
+    if _serving_ddtree():
+        return False
+    return original(*args, **kwargs)
+
+
 def _serving_ddtree() -> bool:
     from ddtree_sglang.sglang_plugin import sglang_api as sg
 
@@ -185,4 +195,6 @@ def register() -> None:
                              _validate_request_hook, around)
     sg.HookRegistry.register("sglang.srt.managers.schedule_batch.Req.update_finish_state",
                              _finish_state_hook, around)
+    sg.HookRegistry.register("sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled",
+                             _conv_window_dedup_hook, around)
     _registered = True

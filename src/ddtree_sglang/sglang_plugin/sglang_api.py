@@ -22,6 +22,8 @@ from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attenti
 from sglang.srt.constrained.base_grammar_backend import GrammarMask
 from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
 from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.logprob_processor import get_token_ids_logprobs, get_top_logprobs
 from sglang.srt.layers.sampler import SGLANG_RETURN_ORIGINAL_LOGPROB as RETURN_ORIGINAL_LOGPROB
@@ -57,7 +59,8 @@ from sglang.srt.utils.async_probe import maybe_detect_inf, maybe_detect_nan
 
 __all__ = [  # the names the plugin uses as sg.<name>, beside the functions below
     "CaptureHiddenMode", "CustomSpecAlgo", "DFlashDraftInputV2", "DFlashWorkerV2",
-    "DecodeCudaGraphRunner", "EagleVerifyInput", "ForwardBatch", "ForwardMode",
+    "DecodeCudaGraphRunner", "EagleVerifyInput", "ForwardBatch", "ForwardMode", "GDNAttnBackend",
+    "HybridLinearAttnBackend",
     "GenerationBatchResult", "GrammarMask", "GrammarTree", "HookRegistry", "HookType",
     "RETURN_ORIGINAL_LOGPROB", "ServerArgs", "SpeculativeAlgorithm", "XGrammarGrammar",
     "apply_dflash_verify_logits_adjustments", "build_block_pos_offsets", "compute_position",
@@ -147,10 +150,24 @@ def kv_move_buffers(allocator):
     return pool.data_ptrs, pool.data_strides, max_bytes
 
 
+def full_attention_backend(backend):
+    """The backend a target's attention layers verify with: a hybrid target's full-attention
+    half (its recurrent layers have their own), else the backend itself."""
+    if isinstance(backend, HybridLinearAttnBackend):
+        return backend.full_attn_backend
+    return backend
+
+
+def mamba_track_interval() -> int:
+    """SGLang's prefix-state tracking interval of hybrid targets (mamba radix cache)."""
+    return int(get_exec().mamba.mamba_track_interval)
+
+
 def verify_mask_target(backend) -> tuple | None:
     """(flat verify-mask buffer, the most requests it holds) of a target attention backend
     whose verify reads a mask buffer it owns and skips the mask's prefix part (SGLang's Triton
-    backend, VerifyMask in FULL_MASK layout), or None."""
+    backend, VerifyMask in FULL_MASK layout; a hybrid target's full-attention half), or None."""
+    backend = full_attention_backend(backend)
     if not isinstance(backend, TritonAttnBackend):
         return None
     mask = backend.verify_mask
@@ -160,9 +177,9 @@ def verify_mask_target(backend) -> tuple | None:
 
 
 def is_triton_attention(backend) -> bool:
-    """Whether a target attention backend is SGLang's Triton one (the only one whose extend
-    kernel the tree-verify attention variants replace)."""
-    return isinstance(backend, TritonAttnBackend)
+    """Whether a target's attention layers verify with SGLang's Triton backend (the only one
+    whose extend kernel the tree-verify attention replaces)."""
+    return isinstance(full_attention_backend(backend), TritonAttnBackend)
 
 
 def extend_attention_signature() -> inspect.Signature:

@@ -63,6 +63,8 @@ class Verified:
     grammar_step: the step's GrammarStep (grammar_stage.py): node masks built on the host while
         the verify pass runs and the greedy walks, None when no request has a grammar.
     out_cache_loc [bs * n]: the KV slots the verify wrote the nodes' K/V into.
+    attn_backend: the target attention backend that ran the verify (the width's runtime; a
+        hybrid target's recurrent state is committed through it).
     """
 
     logits_output: Any
@@ -71,6 +73,7 @@ class Verified:
     can_run_graph: bool
     grammar_step: Any | None
     out_cache_loc: torch.Tensor | None = None
+    attn_backend: Any = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ddtree_sglang.kernels.choice import Kernels, choose_kernels
-from ddtree_sglang.sglang_plugin import patches, sglang_api as sg
+from ddtree_sglang.sglang_plugin import hybrid, patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget, build_serving_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input
 from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
@@ -111,20 +111,38 @@ class DDTreeWorker(sg.DFlashWorkerV2):
 
     def init_attention_backends(self):
         """After SGLang made the target's attention backend (it runs first) and before any
-        graph is captured: install the tree-verify attention the kernel choice kept.  It
-        replaces the triton backend's extend kernel only; FlashInfer verifies with its own."""
+        graph is captured: a hybrid target's recurrent layers set to verify along the tree,
+        and the tree-verify attention the kernel choice kept installed (it replaces the triton
+        backend's extend kernel only; FlashInfer verifies with its own)."""
         super().init_attention_backends()
-        variant = self.ddtree_kernels.verify_attention
         backend = self.target_worker.model_runner.attn_backend
-        if variant != "single" and not sg.is_triton_attention(backend):
+        self._prepare_tree_verify(backend)
+        problems = hybrid.pool_problems(self.model_runner.req_to_token_pool,
+                                        self.ddtree_settings.verify_width) \
+            if hybrid.linear_backend(backend) is not None else []
+        if problems:
+            raise RuntimeError("DDTREE cannot verify trees on this hybrid target: "
+                               + "; ".join(problems))
+        if self.ddtree_kernels.verify_attention != "single" and \
+                not sg.is_triton_attention(backend):
             self.ddtree_kernels = replace(self.ddtree_kernels, verify_attention="single")
-            return
-        if variant == "single":
-            return
-        patches.wrap_verify_attention(backend, VARIANTS[variant])
-        if self.ps.tp_rank == 0:
+        elif self.ddtree_kernels.verify_attention != "single" and self.ps.tp_rank == 0:
             logger.info("DDTREE verify attention: kernel (split-KV prefix + masked tree in one "
                         "online softmax, kernels/tree_attention.py)")
+
+    def _prepare_tree_verify(self, backend) -> None:
+        """Before a target backend's verify graphs are captured: its recurrent half (a hybrid
+        target's) hands its layers the tree links, and its attention half runs the
+        tree-verify attention kept at startup."""
+        linear = hybrid.tree_verify_backend(backend)
+        if linear is not None:
+            patches.raise_linear_topk(linear, hybrid.TREE_TOPK)
+            if not hybrid.tree_links_on(backend):
+                raise RuntimeError("DDTREE: the hybrid target's recurrent layers would not get "
+                                   "the tree links")
+        variant = self.ddtree_kernels.verify_attention
+        if variant != "single" and sg.is_triton_attention(backend):
+            patches.wrap_verify_attention(backend, VARIANTS[variant])
 
     def _max_batch_size(self) -> int:
         """The most requests a decode batch or a captured draft graph holds: the request pool's
@@ -166,16 +184,11 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                         sorted(stages.tree.mask_targets) or "none")
 
     def _build_serving_budget(self) -> ServingBudget | None:
-        variant = self.ddtree_kernels.verify_attention
-
-        def install(backend) -> None:  # the variant the configured width's backend runs
-            patches.wrap_verify_attention(backend, VARIANTS[variant])
-
         s = self.ddtree_settings
         return build_serving_budget(self.target_worker.model_runner, list(s.budgets), s.depth,
-                                     self.device, None if variant == "single" else install,
-                                     log=self.ps.tp_rank == 0, explore_every=s.explore_every,
-                                     min_gain=s.min_gain)
+                                    self.device, self._prepare_tree_verify,
+                                    log=self.ps.tp_rank == 0, explore_every=s.explore_every,
+                                    min_gain=s.min_gain)
 
     def _capture_tree_graphs(self, when: str) -> bool:
         """Capture the tree stage (its graphed fallback, which also shows it capture-safe for
