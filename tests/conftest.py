@@ -1,5 +1,11 @@
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from ddtree_sglang.reference.heap import heap_tree as reference_heap_tree
@@ -29,3 +35,37 @@ def server_args(**fields):
     from ddtree_sglang.sglang_plugin.server_args import READ_FIELDS
 
     return SimpleNamespace(**{**dict.fromkeys(READ_FIELDS), **fields})
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def refused_launch_command() -> tuple[list[str], dict]:
+    """`python -m sglang.launch_server` as a user runs it, with three things DDTREE refuses (a
+    page size, an attention backend, a grammar setting); on this CPU machine --device cuda
+    reaches DDTREE's validation."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SGLANG_DDTREE_") and k != "SGLANG_PLUGINS"}
+    env.update(CUDA_VISIBLE_DEVICES="", SGLANG_DDTREE_GRAMMAR="fast",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path",
+           str(ROOT / "testbed" / "target"), "--speculative-algorithm", "DDTREE",
+           "--speculative-draft-model-path", str(ROOT / "testbed" / "drafter"),
+           "--page-size", "8", "--device", "cuda", "--attention-backend", "fa3"]
+    return cmd, env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_launches():
+    """SGLang launches whose end a test reads, started with the session so that they run
+    beside the in-process tests (importing SGLang alone takes ~10 s); killed at its end."""
+    procs = {}
+    if importlib.util.find_spec("sglang") is not None:
+        cmd, env = refused_launch_command()
+        procs["refused"] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

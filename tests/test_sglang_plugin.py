@@ -470,23 +470,15 @@ def test_every_startup_problem_listed_together(plugin_loaded, capsys, monkeypatc
     assert err.value.code == 2
 
 
-def test_a_refused_launch_prints_the_list_and_exits_2_without_a_traceback():
-    """`python -m sglang.launch_server` as a user runs it (this CPU machine reaches DDTREE's
-    validation with --device cuda): SGLang lets the refusal through uncaught, so the process
-    ends with status 2 and the output holds the list, not a traceback."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SGLANG_DDTREE_") and k != "SGLANG_PLUGINS"}
-    env.update(CUDA_VISIBLE_DEVICES="", SGLANG_DDTREE_GRAMMAR="fast",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(TARGET),
-           "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(DRAFTER),
-           "--page-size", "8", "--device", "cuda", "--attention-backend", "fa3"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 2, output[-3000:]
+def test_a_refused_launch_prints_the_list_and_exits_2_without_a_traceback(background_launches):
+    """`python -m sglang.launch_server` as a user runs it (conftest.refused_launch_command,
+    started with the session): SGLang lets the refusal through uncaught, so the process ends
+    with status 2 and the output holds the list, not a traceback."""
+    proc = background_launches.get("refused")
+    if proc is None:
+        pytest.skip("the launch needs SGLang")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, output[-3000:]
     assert "Traceback" not in output
     listed = output[output.index("DDTREE cannot start:"):].splitlines()
     assert sum(line.startswith("  - ") for line in listed) == 3, listed
