@@ -268,10 +268,11 @@ class DecodeStep:
 
     def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
                accepted: Accepted, on_publish):
-        """The new lengths published first (the scheduler plans the next batch while the GPU
-        runs the rest, as SGLang's spec-v2 workers publish before their draft extend), then the
-        accepted path's KV to its committed positions, its target features into the draft KV,
-        the committed tokens' logprobs; the step's result."""
+        """A hybrid target's recurrent state of each last accepted node (while the lengths are
+        still the step's), the new lengths published (the scheduler plans the next batch
+        while the GPU runs the rest, as SGLang's spec-v2 workers publish before their draft
+        extend), then the accepted path's KV to its committed positions, its target features
+        into the draft KV, the committed tokens' logprobs; the step's result."""
         step, slots = accepted.commit, accepted.slots
         self.io.commit_recurrent_state(verified.attn_backend, batch, step, plan.width)
         new_seq_lens = slots.new_seq_lens
