@@ -13,6 +13,13 @@ class ConfigError(ValueError):
     """A benchmark config that cannot be used; the message names the file and the problem."""
 
 
+def positive_entries(v: list[int]) -> list[int]:
+    """A list validator: every entry a positive count."""
+    if any(x < 1 for x in v):
+        raise ValueError("every entry must be >= 1")
+    return v
+
+
 class _Strict(BaseModel):
     """Unknown keys are refused by name: a misspelt key must not silently fall back to a default."""
 
@@ -123,9 +130,7 @@ class CostMode(_Strict):
     @field_validator("batch_sizes", "budgets", "single_attention_budgets")
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
-        if any(x < 1 for x in v):
-            raise ValueError("every entry must be >= 1")
-        return v
+        return positive_entries(v)
 
 
 class Profile(_Strict):
@@ -145,9 +150,7 @@ class Profile(_Strict):
     @field_validator("batches")
     @classmethod
     def _positive_batches(cls, v: list[int]) -> list[int]:
-        if any(x < 1 for x in v):
-            raise ValueError("every entry must be >= 1")
-        return v
+        return positive_entries(v)
 
 
 class BenchConfig(_Strict):

@@ -18,15 +18,9 @@ def graph_replay_ms(fn: Callable[[], object], iters: int, warm_replays: int = 10
     """
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from ddtree_sglang.kernels.graphed import capture_graph
+
+    graph = capture_graph(fn, None, warmups=3)
     for _ in range(warm_replays):
         graph.replay()
     torch.cuda.synchronize()

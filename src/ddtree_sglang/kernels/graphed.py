@@ -87,16 +87,16 @@ class GraphedFunction:
         return graph, static_in, static_out[-1]
 
 
-def capture_graph(fn: Callable[[], object], pool, keep: Callable[[], None] | None = None
-                  ) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of `fn()` (fixed shapes, no host synchronisation) in memory pool `pool`:
-    two warm-up calls on a side stream (kernels compiled, allocator settled) and the capture,
-    thread-local so that other serving threads' CUDA calls are unaffected; `keep()` runs
-    before the capture (to drop the warm-up calls' results)."""
+def capture_graph(fn: Callable[[], object], pool, keep: Callable[[], None] | None = None,
+                  warmups: int = 2) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `fn()` (fixed shapes, no host synchronisation) in memory pool `pool`
+    (None: a pool of its own): `warmups` calls on a side stream (kernels compiled, allocator
+    settled) and the capture, thread-local so that other serving threads' CUDA calls are
+    unaffected; `keep()` runs before the capture (to drop the warm-up calls' results)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     if keep is not None:

@@ -37,8 +37,8 @@ from ddtree_sglang.kernels.graphed import GraphedFunction, capture_graph
 from ddtree_sglang.sglang_plugin import patches
 from ddtree_sglang.tree.verify_layout import mask_positions
 from ddtree_sglang.tree.stages import (CommitSlots, StepCommit, TreeStageOutput, commit_stage,
-                                       forced_accept_stage, tree_stage, unpack_commit_stage,
-                                       unpack_tree_stage, verify_widths)
+                                       forced_accept_stage, stage_widths, tree_stage,
+                                       unpack_commit_stage, unpack_tree_stage, verify_widths)
 
 logger = logging.getLogger(__name__)
 SAMPLE_BS = 2  # the batch size the buffers' shapes are read from
@@ -99,9 +99,8 @@ class TreeStage:
         the stage writes each width's ancestor blocks there (only the blocks: the backends
         that take such a buffer never read a mask's prefix part).  Set before the draft graphs
         are captured; only widths whose mask positions the stage computes."""
-        self.mask_targets = {w: target for w, target in targets.items()
-                             if w in unpack_tree_stage(self.out.read(SAMPLE_BS), self.budget,
-                                                       self.candidates).mask_positions}
+        placed = stage_widths(self.budget, self.candidates)
+        self.mask_targets = {w: target for w, target in targets.items() if w in placed}
 
     def mask_buffer(self, width: int, bs: int) -> torch.Tensor | None:
         """The backend buffer holding this step's mask at `width`, or None (the verify then

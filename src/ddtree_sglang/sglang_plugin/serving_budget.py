@@ -1,10 +1,9 @@
-"""The SGLang side of the batch-aware tree budget (budget.BudgetController has the logic).
+"""The SGLang side of the batch-aware tree budget (budget/controller.py has the logic).
 
 Per step the worker calls:
   * `choose(bs)` on the host, before the draft: the controller's choice from the batch size,
-    the step costs
-    and the drafter's calibrated expected acceptance as of an earlier step (a non-blocking
-    copy, `LaggedHostCopy`: nothing waits for the GPU);
+    the step costs and the drafter's calibrated expected acceptance as of an earlier step (a
+    non-blocking copy, `LaggedHostCopy`: nothing waits for the GPU);
   * `runtimes[width]`: the target attention backend and verify CUDA graphs for that width,
     built at startup per candidate (patches.build_verify_runtime);
   * `observe(...)` after the acceptance walk, on the GPU: the controller's statistics, whose
@@ -15,7 +14,7 @@ Per step the worker calls:
 
 Costs: the verify pass of every (captured batch size, candidate width) is timed at startup by
 replaying its graph; what the rest of a step costs is learned per batch size from live steps
-(budget.LiveStepCosts).
+(budget/controller.LiveStepCosts).
 """
 
 from __future__ import annotations
