@@ -154,7 +154,15 @@ def test_the_verify_attention_is_installed_on_a_triton_target_only(worker_class,
     assert triton.extend_attention_fwd is own_kernel  # the check dropped the kernel
 
 
-def test_the_largest_batch_is_the_request_pool_s_rows(worker_class):
-    worker = bare(worker_class, model_runner=SimpleNamespace(
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(48, 300))))
-    assert worker._max_batch_size() == 48
+def test_the_largest_batch_is_the_request_pool_s_rows(worker_class, monkeypatch):
+    """Sized by the pool SGLang made (a decode graph's larger padded size wins); before the
+    pool exists the question is refused, naming the order."""
+    runner = SimpleNamespace(req_to_token_pool=None)
+    worker = bare(worker_class, target_worker=SimpleNamespace(device="cpu", model_runner=runner))
+    with pytest.raises(RuntimeError, match="alloc_memory_pool runs first"):
+        worker._max_batch_size()
+    runner.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(49, 300))
+    monkeypatch.setattr(sg, "decode_capture_sizes", lambda r: [1, 2, 4, 8, 16, 32])
+    assert worker._max_batch_size() == 49
+    monkeypatch.setattr(sg, "decode_capture_sizes", lambda r: [1, 64])
+    assert worker._max_batch_size() == 64

@@ -46,6 +46,11 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.draft_worker_common.make_draft_block_spec_info":
         ("draft_token_num", "device"),
     "sglang.srt.speculative.draft_worker_common.build_block_pos_offsets": ("length", "device"),
+    # the batch sizes SGLang's decode graph runners capture (clamped to the request pool)
+    "sglang.srt.model_executor.runner.base_cuda_graph_runner.get_batch_sizes_to_capture":
+        ("model_runner", "captured_req_width"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.decode_num_tokens_per_req":
+        ("num_draft_tokens",),
     "sglang.srt.speculative.eagle_info.EagleVerifyInput":
         ("draft_token", "custom_mask", "positions", "retrieve_index", "retrieve_next_token",
          "retrieve_next_sibling", "retrieve_cum_len", "spec_steps", "topk", "draft_token_num",
@@ -191,7 +196,8 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm":
         ("need_topk", "carries_draft_hidden_states", "create_future_map"),
     "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2":
-        ("init_attention_backends", "init_cuda_graphs", "_maybe_build_draft_sampler",
+        ("alloc_memory_pool", "init_attention_backends", "init_cuda_graphs",
+         "_maybe_build_draft_sampler",
          "_make_next_draft_input_prefill", "_make_next_draft_input_decode",
          "forward_batch_generation"),
     "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2": ("prepare_for_decode",),

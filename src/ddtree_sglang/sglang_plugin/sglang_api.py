@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch,
                                                           ForwardMode, compute_position)
+from sglang.srt.model_executor.runner.base_cuda_graph_runner import get_batch_sizes_to_capture
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend
 from sglang.srt.plugins import load_plugins
@@ -198,6 +199,16 @@ def decode_graph_config():
 
 def graphs_disabled(decode) -> bool:
     return decode.backend == Backend.DISABLED
+
+
+def decode_capture_sizes(model_runner) -> list[int]:
+    """The batch sizes SGLang captures this runner's decode (target-verify) graphs at: the
+    configured sizes clamped to its request pool, which must exist; [] with graphs off."""
+    decode = decode_graph_config()
+    if decode is None or graphs_disabled(decode) or not decode.bs:
+        return []
+    sizes, _ = get_batch_sizes_to_capture(model_runner, model_runner.decode_num_tokens_per_req())
+    return [int(b) for b in sizes]
 
 
 def runtime_spec():

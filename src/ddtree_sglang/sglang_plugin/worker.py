@@ -62,19 +62,13 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         # embeddings may differ, and SGLang's eager path casts them to bfloat16.
         draft_dtype = next(p.dtype for p in self.draft_model_runner.model.parameters()
                            if p.dim() == 2 and p.is_floating_point())
-        self.ddtree_stages = GraphedStages(
-            self.ddtree_kernels, s.budget, s.depth, s.block_size,
-            functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
-            tuple(s.budgets), max_bs=self._max_batch_size(),
-            hidden_size=self.draft_model_runner.model_config.hidden_size,
-            dtype=self.draft_model_runner.model_config.dtype, device=self.device,
-            simulated=sg.simulated_acceptance())
-        self.ddtree_step: DecodeStep | None = None  # built by init_cuda_graphs (the KV pools exist)
-        self.ddtree_tail_installed = False
         patches.keep_embeds_dtype(self.draft_model_runner.model, draft_dtype)
-        # Captured here, before SGLang sizes the KV pool from the free memory, so the graphs'
-        # memory is counted; init_cuda_graphs retries if the batch sizes are not known yet.
-        self.ddtree_graphs_done = self._capture_tree_graphs("before the KV pool")
+        # SGLang builds this worker before the request pool exists (Scheduler.init_model_worker:
+        # the worker, then alloc_memory_pool, the attention backends, the CUDA graphs): what is
+        # sized by the pool is built in alloc_memory_pool, what is captured in init_cuda_graphs.
+        self.ddtree_stages: GraphedStages | None = None
+        self.ddtree_step: DecodeStep | None = None
+        self.ddtree_tail_installed = False
         if self.ps.tp_rank == 0:
             logger.info("DDTREE ready: budget B=%d (verify width %d), draft block %d, depth %d, "
                         "drafter weights %s; kernels: %s (startup checks %.1f s)", s.budget,
@@ -144,21 +138,45 @@ class DDTreeWorker(sg.DFlashWorkerV2):
         if variant != "single" and sg.is_triton_attention(backend):
             patches.wrap_verify_attention(backend, VARIANTS[variant])
 
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None,
+                          token_to_kv_pool_allocator=None):
+        """The request pool exists from here on (SGLang calls this after the target's own):
+        the tree and accept stages' buffers are sized by it, as EAGLE sizes its own here."""
+        super().alloc_memory_pool(memory_pool_config=memory_pool_config,
+                                  req_to_token_pool=req_to_token_pool,
+                                  token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+        s = self.ddtree_settings
+        lm_head = self.target_worker.model_runner.model.lm_head
+        self.ddtree_stages = GraphedStages(
+            self.ddtree_kernels, s.budget, s.depth, s.block_size,
+            functools.partial(draft_logits, lm_head, vocab_size=self.ddtree_vocab_size),
+            tuple(s.budgets), max_bs=self._max_batch_size(),
+            hidden_size=self.draft_model_runner.model_config.hidden_size,
+            dtype=self.draft_model_runner.model_config.dtype, device=self.device,
+            simulated=sg.simulated_acceptance())
+
     def _max_batch_size(self) -> int:
-        """The most requests a decode batch or a captured draft graph holds: the request pool's
-        rows, or the largest decode graph's batch size (SGLang pads a batch up to it)."""
-        decode = sg.decode_graph_config()
-        graphs = max(decode.bs) if decode is not None and decode.bs else 0
-        return max(int(self.model_runner.req_to_token_pool.req_to_token.shape[0]), int(graphs))
+        """The most requests a decode batch holds (the request pool's rows), or a captured
+        decode graph's batch size if larger (SGLang pads a batch up to one)."""
+        runner = self.target_worker.model_runner
+        pool = runner.req_to_token_pool
+        if pool is None:
+            raise RuntimeError("DDTREE: the step's buffers are sized by SGLang's request pool, "
+                               "which does not exist yet (alloc_memory_pool runs first)")
+        return max([int(pool.req_to_token.shape[0]), *sg.decode_capture_sizes(runner)])
 
     def init_cuda_graphs(self):
-        """SGLang's target graphs exist by now: the batch-aware budget's per-width runtimes,
-        then the tree stage's own graphs (if the batch sizes were unknown before), its tail
-        hook on the draft runner and its mask targets (each width's Triton backend buffer),
-        then SGLang's draft graphs (which now end in the tree stage), and the decode step."""
-        if not self.ddtree_graphs_done:
-            self.ddtree_graphs_done = self._capture_tree_graphs("after the KV pool")
-        s, stages = self.ddtree_settings, self.ddtree_stages
+        """SGLang's target graphs exist by now: the tree and accept stages' own graphs (at the
+        batch sizes SGLang captures its decode graphs at), the batch-aware budget's per-width
+        runtimes, the tree stage's tail hook on the draft runner and its mask targets (each
+        width's Triton backend buffer), then SGLang's draft graphs (which now end in the tree
+        stage), and the decode step."""
+        stages = self.ddtree_stages
+        if stages is None:
+            raise RuntimeError("DDTREE: init_cuda_graphs before alloc_memory_pool built the "
+                               "step's buffers")
+        self._capture_tree_graphs()
+        s = self.ddtree_settings
         serving_budget = self._build_serving_budget() if len(s.budgets) > 1 else None
         runtimes = serving_budget.runtimes if serving_budget is not None else {
             s.verify_width: sg.verify_runtime(self.target_worker.model_runner)}
@@ -190,22 +208,21 @@ class DDTreeWorker(sg.DFlashWorkerV2):
                                     log=self.ps.tp_rank == 0, explore_every=s.explore_every,
                                     min_gain=s.min_gain)
 
-    def _capture_tree_graphs(self, when: str) -> bool:
+    def _capture_tree_graphs(self) -> None:
         """Capture the tree stage (its graphed fallback, which also shows it capture-safe for
-        the draft graphs' tail) and the accept stage for every decode CUDA-graph batch size
-        (largest first, so each shared pool is sized once), then freeze them: a batch size
-        seen later is padded to a captured one, nothing is captured while serving.
-        Returns whether the capture question is settled."""
+        the draft graphs' tail) and the accept stage at every batch size SGLang captures its
+        decode graphs at (sg.decode_capture_sizes: the configured sizes clamped to the request
+        pool, as SGLang's own runners clamp them; largest first, so each shared pool is sized
+        once), then freeze them: a batch size seen later is padded to a captured one, nothing
+        is captured while serving."""
         stages, s = self.ddtree_stages, self.ddtree_settings
         if not (stages.tree.graphed.enabled and torch.cuda.is_available()):
-            return True
+            return
         decode = sg.decode_graph_config()
-        if decode is None or not decode.bs:
-            return False
-        if sg.graphs_disabled(decode):  # the user turned CUDA graphs off: keep it so
+        if decode is None or sg.graphs_disabled(decode):  # CUDA graphs off: keep it so
             stages.disable_graphs()
-            return True
-        sizes = sorted({min(b, stages.tree.out.max_bs) for b in decode.bs}, reverse=True)
+            return
+        sizes = sorted(sg.decode_capture_sizes(self.target_worker.model_runner), reverse=True)
         hidden = self.draft_model_runner.model_config.hidden_size
         dtype = self.draft_model_runner.model_config.dtype
         mem_before = torch.cuda.memory_reserved() / 2**20
@@ -226,14 +243,13 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             logger.warning("DDTREE: startup capture of the tree and accept stages failed (%s); "
                            "they run eagerly", exc)
             stages.disable_graphs()
-            return True
+            return
         stages.freeze()
         if self.ps.tp_rank == 0:
-            logger.info("DDTREE tree/accept stages captured %s for batch sizes %s (%.0f MiB "
-                        "graph pool, %.1f s); other sizes are padded to these", when, sizes,
+            logger.info("DDTREE tree/accept stages captured for batch sizes %s (%.0f MiB graph "
+                        "pool, %.1f s); other sizes are padded to these", sizes,
                         torch.cuda.memory_reserved() / 2**20 - mem_before,
                         time.perf_counter() - started)
-        return True
 
     def _maybe_build_draft_sampler(self):
         return None  # DDTREE needs the drafter's whole distributions, not its argmax
