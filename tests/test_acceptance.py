@@ -49,7 +49,7 @@ def test_token_zero_is_a_real_token():
 
 def test_a_forced_acceptance_takes_the_tree_s_best_path():
     """SGLANG_SIMULATE_ACC_LEN's walk: the first-child chain from the root, cut at the forced
-    commit length or at the path's end, the bonus being the target's choice at its last node."""
+    commit length, the bonus being the target's choice at its last node."""
     from ddtree_sglang.tree.acceptance import best_path_acceptance
 
     # root 0 -> {1, 2}; 1 -> {3, 4}; 3 -> {5}; the choices would accept nothing
@@ -61,3 +61,25 @@ def test_a_forced_acceptance_takes_the_tree_s_best_path():
     assert acc.accept_path.tolist() == [[0, -1, -1, -1], [0, 1, 3, -1], [0, 1, 3, 5]]
     assert acc.bonus.tolist() == [7, 6, 4]
     assert acc.accepted[1].tolist() == [True, True, False, True, False, False]
+
+
+def test_a_forced_acceptance_commits_the_drawn_length_on_a_bushy_tree():
+    """Random weights draft bushy trees (every node a child of the root): the forced walk still
+    commits the drawn length (the chain first, then the next nodes in the builder's order), at
+    most the tree's nodes and the depth + 1, so a simulated step costs what the drawn length
+    costs."""
+    from ddtree_sglang.tree.acceptance import best_path_acceptance
+
+    # root 0 -> {1, 2, 4}; 2 -> {3}; node 5 under 4: chain 0-1, then 2, 3, 4, 5 by index
+    parents = torch.tensor([[-1, 0, 0, 2, 0, 4]] * 4)
+    depths = torch.tensor([[0, 1, 1, 2, 1, 2]] * 4)
+    choice = torch.arange(6).expand(4, 6) + 10
+    acc = best_path_acceptance(parents, depths, choice, 4, torch.tensor([1, 2, 4, 9]))
+    assert acc.accept_len.tolist() == [1, 2, 4, 5]  # 9 capped at depth 4 + 1
+    assert acc.accept_path.tolist() == [[0, -1, -1, -1, -1], [0, 1, -1, -1, -1],
+                                        [0, 1, 2, 3, -1], [0, 1, 2, 3, 4]]
+    assert acc.bonus.tolist() == [10, 11, 13, 14]
+    # a tree of 3 nodes commits at most 3 tokens, whatever was drawn
+    small = best_path_acceptance(torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]),
+                                 torch.tensor([[7, 8, 9]]), 15, torch.tensor([12]))
+    assert small.accept_len.tolist() == [3] and small.accept_path[0, :4].tolist() == [0, 1, 2, -1]

@@ -22,6 +22,7 @@ from ddtree_sglang.sglang_plugin.step_records import (DraftedTree, StepPlan,  # 
                                                       Verified)
 from ddtree_sglang.sglang_plugin.graphed_stages import GraphedStages  # noqa: E402
 from ddtree_sglang.tree.builder import build_draft_tree  # noqa: E402
+from ddtree_sglang.tree.acceptance import SimulatedAcceptance  # noqa: E402
 
 V, H, BLOCK, B = 40, 8, 4, 8  # vocab, hidden, draft block (depth 3), budget
 ROW = 64  # slots of a request's req_to_token row
@@ -523,7 +524,7 @@ def test_a_simulated_acceptance_commits_the_forced_length_along_the_best_path(mo
         stages = GraphedStages(Kernels(), B, BLOCK - 1, BLOCK,
                                functools.partial(draft_logits, LM_HEAD, vocab_size=V),
                                settings.budgets, max_bs=6, hidden_size=H, graphed=False,
-                               simulated=(2.5, mode))
+                               simulated=SimulatedAcceptance(lambda budget: 2.5, mode))
         w = wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"),
                             MaskCosts())
         monkeypatch.setattr(sg, "simulated_commit_len", lambda mean, max_len: 3)
@@ -541,6 +542,31 @@ def test_a_simulated_acceptance_commits_the_forced_length_along_the_best_path(mo
             want = [int(toks[path[1]]), int(toks[path[2]]),
                     int(logits.view(2, B + 1, V)[r, path[2]].argmax())]
             assert acc.commit.tokens[r, :3].tolist() == (want if fixed is None else [fixed] * 3)
+
+
+def test_a_simulated_curve_commits_each_budget_s_mean(monkeypatch):
+    """SGLANG_DDTREE_SIMULATE_ACC: a step at budget b commits lengths drawn by SGLang's own draw
+    (its default method) around the curve's tau(b), so the budgets' mean commit lengths come
+    out as configured, on trees whose best path is too short for them (random drafter states)."""
+    curve = ((5, 2.2), (8, 3.4))
+    settings = DDTreeSettings.from_values(B, BLOCK, environ={"SGLANG_DDTREE_BUDGETS": "5"})
+    stages = GraphedStages(Kernels(), B, BLOCK - 1, BLOCK,
+                           functools.partial(draft_logits, LM_HEAD, vocab_size=V),
+                           settings.budgets, max_bs=6, hidden_size=H, graphed=False,
+                           simulated=sg.simulated_acceptance(curve))
+    w = wmod.DecodeStep(settings, V, FakeIO(), stages, PenaltyState(6, V, "cpu"), MaskCosts())
+    torch.manual_seed(0)  # SGLang's draw samples from torch's global generator
+    batch = make_batch()
+    for budget, tau in curve:
+        plan = plan_of(batch, budget)
+        tree = drafted(w, batch, plan)
+        logits = torch.randn(2 * plan.width, V)
+        lens = []
+        for _ in range(300):
+            verified = Verified(None, logits.clone(), None, True, None,
+                                torch.arange(2 * plan.width))
+            lens += w.sample_and_accept(batch, plan, tree, verified).commit.commit_lens.tolist()
+        assert abs(sum(lens) / len(lens) - tau) < 0.1, (budget, sum(lens) / len(lens))
 
 
 def test_a_step_without_speculation_drafts_nothing_and_decodes_one_token():

@@ -259,9 +259,9 @@ class DecodeStep:
             choice_in.copy_(choice)
         verify_slots.copy_(verified.out_cache_loc)
         simulated = self.stages.accept.simulated
-        if simulated is not None:  # SGLANG_SIMULATE_ACC_LEN: this step's forced commit length
-            self.stages.accept.forced_len.fill_(sg.simulated_commit_len(simulated[0],
-                                                                        self.out_width))
+        if simulated is not None:  # a forced acceptance: this step's length, drawn at its budget
+            self.stages.accept.forced_len.fill_(sg.simulated_commit_len(
+                simulated.tau(n - 1), min(n, self.out_width)))
         commit, slots = self.stages.accept.run(bs, n)
         return Accepted(choice=choice_in, commit=commit, slots=slots, penalties=penalties,
                         logits=logits)

@@ -35,6 +35,7 @@ from ddtree_sglang.grammar.forcing import force_draft_logits
 from ddtree_sglang.kernels.choice import Kernels
 from ddtree_sglang.kernels.graphed import GraphedFunction, capture_graph
 from ddtree_sglang.sglang_plugin import patches
+from ddtree_sglang.tree.acceptance import SimulatedAcceptance
 from ddtree_sglang.tree.verify_layout import mask_positions
 from ddtree_sglang.tree.stages import (CommitSlots, StepCommit, TreeStageOutput, commit_stage,
                                        forced_accept_stage, stage_widths, tree_stage,
@@ -181,19 +182,19 @@ class AcceptStage:
     step writes each node's choice and KV slot into `inputs(bs, width)` and calls `run`."""
 
     def __init__(self, kernels: Kernels, tree: TreeStage, out_width: int,
-                 graphed: bool = True, simulated: tuple[float, str] | None = None) -> None:
+                 graphed: bool = True, simulated: SimulatedAcceptance | None = None) -> None:
         self.kernels, self.tree, self.out_width = kernels, tree, out_width
         self.enabled, self.frozen = graphed, False
         rows = tree.out.max_bs * max(tree.widths)
         device = tree.out.buffers[0].device
         self.choice = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
-        # SGLANG_SIMULATE_ACC_LEN (sglang_api.simulated_acceptance): the walk takes the tree's
-        # best path for the commit length the step writes into `forced_len`.
+        # A forced acceptance (sglang_api.simulated_acceptance): the walk commits the length
+        # the step writes into `forced_len`, along the tree's best path.
         self.simulated = simulated
         self.forced_len = torch.ones(tree.out.max_bs, dtype=torch.long, device=device)
         self._walk = kernels.accept_stage if simulated is None else forced_accept_stage(
-            self.forced_len, 100 if simulated[1] == "fixed" else None)
+            self.forced_len, 100 if simulated.token_mode == "fixed" else None)
         # Views handed to the step, made once per shape: (bs, width[, slot]) -> views.
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._outputs: dict[tuple[int, int, int], tuple[StepCommit, CommitSlots]] = {}
@@ -270,7 +271,7 @@ class GraphedStages:
                  draft_logits: Callable[[torch.Tensor], torch.Tensor],
                  budgets: Sequence[int] = (), max_bs: int = 64, hidden_size: int = 0,
                  dtype: torch.dtype = torch.float32, device="cpu", graphed: bool = True,
-                 simulated: tuple[float, str] | None = None) -> None:
+                 simulated: SimulatedAcceptance | None = None) -> None:
         self.tree = TreeStage(kernels, budget, depth, draft_logits, tuple(budgets) or (budget,),
                               max_bs, hidden_size, dtype, device, graphed)
         self.accept = AcceptStage(kernels, self.tree, out_width, graphed, simulated)

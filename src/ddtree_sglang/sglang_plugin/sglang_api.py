@@ -11,6 +11,7 @@ sgl_kernel is imported on first use: it loads only where CUDA is.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
@@ -58,6 +59,8 @@ from sglang.srt.speculative.spec_utils import (SIMULATE_ACC_LEN, SIMULATE_ACC_ME
                                                spec_stage_span, traverse_tree)
 from sglang.srt.utils.async_probe import maybe_detect_inf, maybe_detect_nan
 
+from ddtree_sglang.tree.acceptance import SimulatedAcceptance, curve_tau
+
 __all__ = [  # the names the plugin uses as sg.<name>, beside the functions below
     "CaptureHiddenMode", "CustomSpecAlgo", "DFlashDraftInputV2", "DFlashWorkerV2",
     "DecodeCudaGraphRunner", "EagleVerifyInput", "ForwardBatch", "ForwardMode", "GDNAttnBackend",
@@ -72,15 +75,25 @@ __all__ = [  # the names the plugin uses as sg.<name>, beside the functions belo
 ]
 
 
-def simulated_acceptance() -> tuple[float, str] | None:
-    """SGLang's benchmark knob SGLANG_SIMULATE_ACC_LEN, as its DFLASH reads it: (the mean
-    committed length, the token mode "fixed" or "real-draft-token"), or None when off."""
-    if SIMULATE_ACC_LEN <= 0:
+def simulated_acceptance(curve: tuple[tuple[int, float], ...] = ()
+                         ) -> SimulatedAcceptance | None:
+    """A forced acceptance, or None when off: DDTREE's curve over budgets
+    (SGLANG_DDTREE_SIMULATE_ACC, settings.py) where given, else SGLang's benchmark knob
+    SGLANG_SIMULATE_ACC_LEN as its DFLASH reads it (one mean at every budget); the token mode
+    is SGLang's SGLANG_SIMULATE_ACC_TOKEN_MODE either way."""
+    if not curve and SIMULATE_ACC_LEN <= 0:
         return None
     if SIMULATE_ACC_TOKEN_MODE not in ("fixed", "real-draft-token"):
         raise ValueError(f"SGLANG_SIMULATE_ACC_TOKEN_MODE={SIMULATE_ACC_TOKEN_MODE!r} is not "
                          "accepted; accepted: fixed, real-draft-token")
-    return float(SIMULATE_ACC_LEN), SIMULATE_ACC_TOKEN_MODE
+    tau = functools.partial(curve_tau, curve) if curve else \
+        functools.partial(_constant, float(SIMULATE_ACC_LEN))
+    return SimulatedAcceptance(tau, SIMULATE_ACC_TOKEN_MODE)
+
+
+def _constant(value: float, budget: int) -> float:
+    del budget
+    return value
 
 
 def simulated_commit_len(mean: float, max_len: int) -> int:
