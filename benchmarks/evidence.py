@@ -11,7 +11,13 @@ add up).
 OUT/<slice id>/<date>_<card>_<n>/: slice.json, slice.md and logs.tgz (three files a slice, at
 most two slices a call: a device call returns eight files).  Its log has one line per
 measurement (arm, concurrency, round, requests, seconds, tok/s) and one per cell (its null and
-ratios), no progress bars; it prints a short table last.
+ratios), no progress bars; it prints a short table last, and exits 1 when a slice it ran failed
+(bench/evidence.py slice_failures: an arm that did not start, request errors, a traceback or a
+leak in a server's log, ...; each named in slice.md with its first error line).
+
+`adopt --note TEXT` records what the code that ran differed in from its commit (a stand-in
+change made on the GPU machine) in every adopted slice.json; the report shows it beside the
+commit.  Adopting a folder again is a no-op when its files are the same.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from ddtree_bench import evidence, run, slices  # noqa: E402
 from ddtree_bench.config import ConfigError  # noqa: E402
+from ddtree_bench.server_log import arm_of_log, log_problem  # noqa: E402
 from ddtree_sglang.cli import CliError, Parser, positive_float  # noqa: E402
 from ddtree_sglang.cli import run as run_cli  # noqa: E402
 
@@ -54,10 +62,11 @@ def _meta(s: evidence.SlicePlan, plan: evidence.EvidencePlan, levels: list[int])
 
 
 def _pack_logs(folder: Path, sources: list[Path]) -> None:
-    """The last LOG_TAIL_LINES lines of every log under `sources`, as folder/logs.tgz."""
+    """The last LOG_TAIL_LINES lines of every log under (or named by) `sources`, as
+    folder/logs.tgz."""
     with tarfile.open(folder / "logs.tgz", "w:gz") as tar:
         for src in sources:
-            for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            for f in [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file()):
                 if f.suffix in (".log", ".txt"):
                     tail = f.read_bytes().splitlines(keepends=True)[-LOG_TAIL_LINES:]
                     tmp = f.with_suffix(f.suffix + ".tail")
@@ -66,6 +75,30 @@ def _pack_logs(folder: Path, sources: list[Path]) -> None:
                     tmp.unlink()
                 elif f.suffix in (".tgz", ".json", ".md"):
                     tar.add(f, arcname=str(f.relative_to(src.parent)))
+
+
+def _server_logs(root: Path) -> Iterator[tuple[str, str]]:
+    """(file name, text) of every log under `root`, loose or inside a .tgz (scripts/gpu_run.sh
+    packs a phase's server logs into one)."""
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        if f.suffix == ".log":
+            yield f.name, f.read_text(errors="replace")
+        elif f.suffix == ".tgz":
+            with tarfile.open(f) as tar:
+                for m in tar.getmembers():
+                    if m.isfile() and m.name.endswith(".log"):
+                        yield Path(m.name).name, tar.extractfile(m).read().decode(errors="replace")
+
+
+def log_errors(root: Path) -> dict[str, str]:
+    """arm -> the first error line of its server log (a traceback's exception line, or a leak),
+    for every server log under `root` that has one; read whole before the logs are cut to
+    their tails, so the line that says why an arm failed reaches slice.json."""
+    found: dict[str, str] = {}
+    for name, text in _server_logs(root) if root.exists() else ():
+        if (problem := log_problem(text)):
+            found.setdefault(arm_of_log(name), problem)
+    return found
 
 
 def run_serving(plan, s, levels, folder: Path, stop_at: float) -> dict:
@@ -77,8 +110,9 @@ def run_serving(plan, s, levels, folder: Path, stop_at: float) -> dict:
                              null=evidence.null_of(plan, s))
     except Exception as exc:  # noqa: BLE001 - a broken slice is recorded, the call goes on
         results["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    results["log_errors"] = log_errors(folder / "logs")
     save()
-    (folder / "slice.md").write_text(slices.markdown(results))
+    (folder / "slice.md").write_text(slices.markdown(results, evidence.failure_lines(results)))
     _pack_logs(folder, [folder / "logs"])
     shutil.rmtree(folder / "logs", ignore_errors=True)
     return results
@@ -95,11 +129,12 @@ def run_phase(plan, s, folder: Path, stop_at: float) -> dict:
     for f in sorted(work.rglob("*.json")) if work.exists() else []:
         if f.stat().st_size < 2_000_000:
             outputs[str(f.relative_to(work))] = json.loads(f.read_text())
-    results = dict(meta=_meta(s, plan, []), rc=rc, outputs=outputs)
+    results = dict(meta=_meta(s, plan, []), rc=rc, outputs=outputs, log_errors=log_errors(work))
     (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))
     tail = (folder / "phase.log").read_text().splitlines()[-60:]
     reports = [f.read_text() for f in sorted(work.rglob("*.md"))] if work.exists() else []
     (folder / "slice.md").write_text(f"# {s.id}: phase {s.phase}, exit {rc}\n\n"
+                                     + "".join(x + "\n" for x in evidence.failure_lines(results))
                                      + "".join(r + "\n" for r in reports) + "```\n"
                                      + "\n".join(tail) + "\n```\n")
     _pack_logs(folder, [work, folder / "phase.log"] if work.exists() else [folder / "phase.log"])
@@ -144,17 +179,22 @@ def cmd_run(args) -> int:
         done.append((s, folder, res))
         cold = False
     print(summary_table(done, time.monotonic() - t0))
-    return 0
+    return 1 if any(evidence.slice_failures(res) for _, _, res in done) else 0
 
 
 def summary_table(done, wall: float) -> str:
+    """The call's table (a row per slice: cells, counted, null, failed arms), every failed
+    arm's first error line under it, then each serving slice's own report."""
     lines = [f"evidence call: {len(done)} slice(s) in {wall:.0f} s", "",
              "| slice | folder | cells done | counted | null (worst) | skipped | failures | note |",
              "|---|---|---|---|---|---|---|---|"]
     for s, folder, res in done:
+        failed = evidence.slice_failures(res)
+        names = ", ".join(failed) or "-"
         if s.phase:
             lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | phase | "
-                         f"{'yes' if res['rc'] == 0 else 'no'} | - | - | - | exit {res['rc']} |")
+                         f"{'yes' if evidence.counted_cells(res) else 'no'} | - | - | {names} | "
+                         f"exit {res['rc']} |")
             continue
         cells_ = sorted(evidence.cells_of(res))
         counted = evidence.counted_cells(res)
@@ -162,8 +202,11 @@ def summary_table(done, wall: float) -> str:
         lines.append(f"| {s.id} | {folder.parent.name}/{folder.name} | "
                      f"{', '.join(f'{k}@{c}' for k, c in cells_) or '-'} | "
                      f"{len(counted)} of {len(cells_)} | {'-' if worst is None else worst} | "
-                     f"{len(res.get('cells_skipped', []))} | {len(res.get('failures') or {})} | "
+                     f"{len(res.get('cells_skipped', []))} | {names} | "
                      f"{res.get('error', '')[:80]} |")
+    failed = [f"FAILED {s.id}: {arm}: {line}" for s, _, res in done
+              for arm, line in evidence.slice_failures(res).items()]
+    lines += ["", *failed] if failed else []
     for s, _, res in done:
         if not s.phase and res["rows"]:
             lines += ["", slices.markdown(res)]
@@ -184,18 +227,46 @@ def cmd_next(args) -> int:
     return 0
 
 
+def _files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` by its relative path, with its bytes."""
+    return {str(f.relative_to(folder)): f.read_bytes()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def adopted_files(folder: Path, note: str | None) -> dict[str, bytes]:
+    """A returned slice folder's files as adopted: copied as they are, or with `note` (what
+    the code that ran differed in from its commit) in slice.json's meta and atop slice.md."""
+    files = _files_of(folder)
+    if note:
+        data = json.loads(files[evidence.RESULT_FILE])
+        data["meta"]["note"] = note
+        files[evidence.RESULT_FILE] = json.dumps(data, indent=1).encode()
+        if "slice.md" in files:
+            files["slice.md"] = f"> Note (given at adoption): {note}\n\n".encode() + files["slice.md"]
+    return files
+
+
 def cmd_adopt(args) -> int:
-    """Copy OUT/<slice id>/<stamp>/ folders of a returned call into the results tree."""
+    """Copy OUT/<slice id>/<stamp>/ folders of a returned call into the results tree (with
+    --note recorded in each).  A folder adopted already with the same files is left as it is;
+    one with other files refuses the whole batch before anything is written."""
     src = Path(args.dir)
     found = sorted(p.parent for p in src.glob(f"*/*/{evidence.RESULT_FILE}"))
     if not found:
         raise CliError(f"no <slice id>/<stamp>/{evidence.RESULT_FILE} under {src}")
-    for folder in found:
-        dest = args.results / folder.parent.name / folder.name
+    todo = [(args.results / f.parent.name / f.name, adopted_files(f, args.note)) for f in found]
+    for dest, files in todo:
+        if dest.exists() and _files_of(dest) != files:
+            raise CliError(f"{dest} exists already with other files; not overwritten")
+    for dest, files in todo:
+        shown = dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest
         if dest.exists():
-            raise CliError(f"{dest} exists already; not overwritten")
-        shutil.copytree(folder, dest)
-        print(f"adopted {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            print(f"adopted already: {shown}")
+            continue
+        for name, data in files.items():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(data)
+        print(f"adopted {shown}")
     return cmd_report(args)
 
 
@@ -229,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("next", help="list the slices still wanted")
     a = sub.add_parser("adopt", help="file a call's returned slices under --results")
     a.add_argument("dir")
+    a.add_argument("--note", default=None,
+                   help="what the code that ran differed in from its commit (a stand-in "
+                   "change): recorded in each slice.json, shown beside the commit")
     sub.add_parser("report", help="write the combined report and plot under --results")
     args = ap.parse_args(argv)
 

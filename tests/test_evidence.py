@@ -5,7 +5,9 @@ results are synthetic, or measured against the stand-in server."""
 
 import json
 import re
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -245,6 +247,8 @@ def test_estimates_stamps_and_the_serving_config(tmp_path):
 
 
 def test_adopt_files_returned_slices_and_refuses_to_overwrite(tmp_path, capsys):
+    """Adopting a batch again changes nothing (the same files: left as they are); a folder of
+    the same name with other files refuses the whole batch before anything is written."""
     plan_path = write_plan(tmp_path)
     returned = tmp_path / "out"
     commit(returned, slice_result("g-json", "NVIDIA H100", json_cells(1)), "2026-12-07_h100_1")
@@ -252,9 +256,17 @@ def test_adopt_files_returned_slices_and_refuses_to_overwrite(tmp_path, capsys):
     args = ["--plan", str(plan_path), "--results", str(results)]
     assert evidence_cli.main(args + ["adopt", str(returned)]) == 0
     assert (results / "g-json" / "2026-12-07_h100_1" / "slice.json").is_file()
-    assert "| g-json | json | 1 | ddtree-auto" in (results / "README.md").read_text()
+    report = (results / "README.md").read_text()
+    assert "| g-json | json | 1 | ddtree-auto" in report
+    capsys.readouterr()
+    assert evidence_cli.main(args + ["adopt", str(returned)]) == 0
+    assert "adopted already: " in capsys.readouterr().out
+    assert (results / "README.md").read_text() == report
+    commit(returned, slice_result("g-json", "NVIDIA H100", json_cells(16)), "2026-12-07_h100_2")
+    (returned / "g-json" / "2026-12-07_h100_1" / "slice.md").write_text("another run")
     assert evidence_cli.main(args + ["adopt", str(returned)]) == 2
-    assert "exists already" in capsys.readouterr().err
+    assert "2026-12-07_h100_1 exists already with other files" in capsys.readouterr().err
+    assert not (results / "g-json" / "2026-12-07_h100_2").exists()
     assert evidence_cli.main(args + ["adopt", str(tmp_path / "empty")]) == 2
     assert evidence_cli.main(args + ["next"]) == 0
     assert "g-json (item 1, c = 1, 16)" in capsys.readouterr().out
@@ -297,12 +309,42 @@ def test_the_committed_slices_without_a_null_are_shown_but_do_not_count():
     grammar = next(r for r in found if r["meta"]["slice"] == "grammar-json_bounded")
     assert evidence.cells_of(grammar) and not evidence.counted_cells(grammar)
     have = evidence.counts(found)
-    assert have[("e2e", "phase", 0)] == 1 and have[("e2e-page16", "phase", 0)] == 1
+    assert have[("e2e-page16", "phase", 0)] == 1
     todo = dict((s.id, lv) for s, lv in evidence.next_slices(plan, have))
-    assert todo["grammar-json_bounded"] == [1, 16, 64] and todo["e2e"] == [0]
+    assert todo["grammar-json_bounded"] == [1, 16, 64] and todo["e2e-page16"] == [0]
     md = evidence.report_markdown(plan, found)
     assert "| grammar-json_bounded | json_bounded | 16 | ddtree-auto | 1.62 | 0.73 | - | no " \
            "null |" in md
+
+
+def test_the_committed_stand_in_batch_passes_and_names_its_change():
+    """The batch run on 5333599 plus a stand-in for _max_batch_size (2026-12-07, H100;
+    e2e-hybrid in bfloat16 too): every arm started and passed, yet a run on a stand-in does not
+    count (the plan still owes e2e at a commit as committed); each carries its note, and the
+    report shows its commit as not as committed."""
+    plan = evidence.load_plan(ROOT / "configs" / "evidence.yaml")
+    found = evidence.read_slices(ROOT / "benchmarks" / "results" / "evidence")
+    batch = [r for r in found if r["meta"]["commit"].startswith("5333599")]
+    assert sorted(r["folder"] for r in batch) == [
+        "e2e-hybrid/2026-12-07_h10080gbhbm3_1", "e2e/2026-12-07_h10080gbhbm3_2",
+        "profile-testbed/2026-12-07_h10080gbhbm3_1"]
+    for r in batch:
+        assert evidence.slice_failures(r) == {} and evidence.counted_cells(r) == set()
+        assert "arbitrary bound of 256" in r["meta"]["note"]
+    e2e = next(r for r in batch if r["meta"]["slice"] == "e2e")
+    assert [a["arm"] for a in e2e["outputs"]["e2e/e2e.json"]["arms"]] == [
+        "ddtree_triton", "ddtree_b15auto", "ddtree_b0switch", "plain_triton"]
+    have = evidence.counts(found)
+    assert have.get(("e2e", "phase", 0)) == 1 and "e2e" in {
+        s.id for s, _ in evidence.next_slices(plan, have)}
+    md = evidence.report_markdown(plan, found)
+    assert "| e2e | passed (exit 0) | 5333599+maxbs-patch (not as committed: note 1) |" in md
+    assert "| e2e-hybrid | passed (exit 0) | 5333599+maxbs-patch+bf16 (not as committed: " \
+           "note 1) |" in md
+    assert "1. 5333599+maxbs-patch, 5333599+maxbs-patch+bf16: Stand-in, not 5333599 as " \
+           "committed" in md
+    readme = (ROOT / "benchmarks" / "results" / "evidence" / "README.md").read_text()
+    assert "| e2e | passed (exit 0) | 5333599+maxbs-patch (not as committed: note 1) |" in readme
 
 
 def test_a_call_runs_the_next_slice_against_stand_in_servers(tmp_path, monkeypatch, capsys):
@@ -372,3 +414,243 @@ def test_a_slice_past_its_deadline_starts_no_cell(tmp_path, monkeypatch):
     assert results["rows"] == [] and results["failures"] == {}
     assert results["cells_skipped"] == [dict(kind=k, concurrency=c) for c in (1, 16)
                                         for k in ("json", "none")]
+
+
+# -- failed slices: a dead arm, request errors, a traceback, a leak -----------------------------
+
+ROOT_CAUSE = "AttributeError: 'NoneType' object has no attribute 'req_to_token'"
+# What a DDTREE server printed when it died at startup at 5333599: the scheduler's traceback,
+# then the launcher's own
+STARTUP_CRASH = f"""[2026-12-07 14:02:10] Load weight end. elapsed=0.01 s, type=DFlashDraftModel
+[2026-12-07 14:02:11] Scheduler hit an exception: Traceback (most recent call last):
+  File "/tmp/sglang-site/sglang/srt/managers/scheduler.py", line 4931, in run_scheduler_process
+    scheduler = Scheduler(
+                ^^^^^^^^^^
+  File "src/ddtree_sglang/sglang_plugin/worker.py", line 68, in __init__
+    tuple(s.budgets), max_bs=self._max_batch_size(),
+                             ^^^^^^^^^^^^^^^^^^^^^^
+  File "src/ddtree_sglang/sglang_plugin/worker.py", line 152, in _max_batch_size
+    return max(int(self.model_runner.req_to_token_pool.req_to_token.shape[0]), int(graphs))
+                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+{ROOT_CAUSE}
+
+[2026-12-07 14:02:11] Received sigquit from a child process. It usually means the child failed.
+Traceback (most recent call last):
+  File "/tmp/sglang-site/sglang/srt/entrypoints/engine.py", line 1703, in _launch_subprocesses
+EOFError
+
+During handling of the above exception, another exception occurred:
+
+RuntimeError: Initialization failed. Please see the error messages above.
+[2026-12-07 14:02:16] kill_process_tree called: parent_pid=3329, include_parent=True
+"""
+CUDA_CRASH = "RuntimeError: CUDA error: an illegal memory access was encountered"
+LOAD_CRASH = f"""[2026-12-07 15:29:02] Decode batch, #running-req: 32, #token: 9000, accept len: 3.1
+[2026-12-07 15:29:02] Scheduler hit an exception: Traceback (most recent call last):
+  File "src/ddtree_sglang/sglang_plugin/worker.py", line 310, in forward_batch_generation
+    verified = self.verify(batch)
+{CUDA_CRASH}
+"""
+
+
+def e2e_passed(arm: str) -> dict:
+    """An arm of tests/gpu/e2e_server.py's e2e.json that passed every check (as on the H100,
+    2026-12-07)."""
+    return dict(arm=arm, healthy_after_s=91.0, openai_completions=True, openai_chat=True,
+                openai_n2_choices=2, greedy_seconds=0.99, greedy_errors=[], accept_length=3.342,
+                mixed_ok=24, kv_tokens_after_flush=0, alive_at_end=True, leak_in_log=False,
+                traceback_in_log=False, tokens_equal_to_plain=2048)
+
+
+def e2e_dead(arm: str, log: str) -> dict:
+    """An arm whose server never became healthy: e2e_server.check_arm records its error (the
+    server's log tail) and nothing else."""
+    tail = "\n".join(log.splitlines()[-40:])
+    return dict(arm=arm, error=f"startup failed: server {arm} exited with 1; log tail:\n"
+                               f"{tail}"[-3000:])
+
+
+def fake_e2e_phase(records: list[dict], logs: dict[str, str]):
+    """subprocess.run, but `bash scripts/gpu_run.sh e2e` writes what that phase writes: e2e.json
+    and the servers' logs packed into logs.tgz (exit 0: e2e_server.py exits 0 whatever the
+    arms did)."""
+    real = subprocess.run
+
+    def run_(cmd, **kw):
+        if cmd[:2] != ["bash", "scripts/gpu_run.sh"]:
+            return real(cmd, **kw)
+        work = Path(kw["env"]["OUT"]) / "e2e"
+        (work / "logs").mkdir(parents=True)
+        for arm, text in logs.items():
+            (work / "logs" / f"server_{arm}.log").write_text(text)
+        with tarfile.open(work / "logs.tgz", "w:gz") as tar:
+            tar.add(work / "logs", arcname="logs")
+        for f in (work / "logs").iterdir():
+            f.unlink()
+        (work / "logs").rmdir()
+        (work / "e2e.json").write_text(json.dumps(dict(meta=dict(device="NVIDIA H100"),
+                                                       arms=records)))
+        kw["stdout"].write("".join(json.dumps(r) + "\n" for r in records))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    return run_
+
+
+DEAD_AT_STARTUP = (
+    [e2e_dead(a, STARTUP_CRASH) for a in ("ddtree_triton", "ddtree_b15auto")]
+    + [e2e_passed("plain_triton")],
+    {"ddtree_triton": STARTUP_CRASH, "ddtree_b15auto": STARTUP_CRASH, "plain_triton": ""},
+    {"ddtree_triton": f"did not start: {ROOT_CAUSE}",
+     "ddtree_b15auto": f"did not start: {ROOT_CAUSE}"})
+DIED_UNDER_LOAD = (  # healthy, then its requests failed: the check's error, a traceback logged
+    [dict(e2e_passed("ddtree_triton"), error="URLError: <urlopen error [Errno 111] Connection "
+          "refused>", traceback_in_log=True, alive_at_end=None), e2e_passed("plain_triton")],
+    {"ddtree_triton": LOAD_CRASH, "plain_triton": ""},
+    {"ddtree_triton": f"failed its checks: {CUDA_CRASH}"})
+
+
+@pytest.mark.parametrize("records, logs, failed", [DEAD_AT_STARTUP, DIED_UNDER_LOAD],
+                         ids=["dead-at-startup", "died-under-load"])
+def test_an_e2e_slice_with_a_failed_arm_fails_and_counts_nothing(tmp_path, monkeypatch, capsys,
+                                                                   records, logs, failed):
+    """The phase exits 0 whatever its arms did; the runner reads e2e.json and the servers'
+    logs: the slice is failed, names each failed arm with its first error line (its server
+    log's traceback), counts nothing, and the call exits 1."""
+    monkeypatch.setattr(evidence_cli.subprocess, "run", fake_e2e_phase(records, logs))
+    results, out = tmp_path / "results", tmp_path / "out"
+    args = ["--plan", str(write_plan(tmp_path)), "--results", str(results)]
+    assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "500",
+                                     "--only", "e2e"]) == 1
+    printed = capsys.readouterr().out
+    folder = next((out / "e2e").iterdir())
+    res = json.loads((folder / "slice.json").read_text())
+    assert res["rc"] == 0 and evidence.slice_failures(res) == failed
+    assert evidence.cells_of(res) == {("phase", 0)} and evidence.counted_cells(res) == set()
+    md = (folder / "slice.md").read_text()
+    assert md.startswith("# e2e: phase e2e, exit 0\n\n**Failed: this slice counts nothing.**")
+    for arm, line in failed.items():
+        assert f"- `{arm}`: {line}" in md and f"FAILED e2e: {arm}: {line}" in printed
+    assert f"| phase | no | - | - | {', '.join(failed)} | exit 0 |" in printed
+    with tarfile.open(folder / "logs.tgz") as tar:  # the phase's own log travels too
+        assert {"phase.log", "phase/e2e/e2e.json", "phase/e2e/logs.tgz"} <= set(tar.getnames())
+    assert evidence_cli.main(args + ["adopt", str(out)]) == 0
+    report = (results / "README.md").read_text()
+    assert re.search(r"\| e2e \| \*\*failed\*\* \(exit 0\) \| \S+ \|", report)
+    arm, line = next(iter(failed.items()))
+    assert f"`{arm}`: {line}" in report and "e2e (item 4, phase e2e)" in report
+
+
+def test_a_serving_slice_with_an_arm_that_did_not_start_fails_and_counts_nothing(
+        tmp_path, monkeypatch, capsys):
+    """Against stand-in servers, DFLASH's dies at startup with a Python traceback: its cells
+    are measured without it (plain, DDTREE and the null's twin), but the slice is failed,
+    named with DFLASH's first error line (whatever its null says), and the call exits 1."""
+    (tmp_path / "crashing_server.py").write_text(
+        "import runpy, sys\n"
+        "model_runner = type('ModelRunner', (), {'req_to_token_pool': None})\n"
+        "if 'DFLASH' in sys.argv:\n"
+        "    model_runner.req_to_token_pool.req_to_token\n"
+        "runpy.run_module('fake_sglang_server', run_name='__main__')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT / 'tests'}:{ROOT / 'src'}")
+    plan = PLAN.replace("rounds: 2", "rounds: 1").replace(
+        "\nseconds: 4\n", "\nseconds: 0.1\nstartup_seconds: 5\n"
+                          "launcher_module: crashing_server\n").replace(
+        "kinds: [json, none],\n     concurrency: [1, 16]", "kinds: [none], concurrency: [1]")
+    results, out = tmp_path / "results", tmp_path / "out"
+    args = ["--plan", str(write_plan(tmp_path, plan)), "--results", str(results)]
+    assert evidence_cli.main(args + ["run", "--out", str(out), "--seconds", "300",
+                                     "--only", "g-json"]) == 1
+    printed = capsys.readouterr().out
+    folder = next((out / "g-json").iterdir())
+    res = json.loads((folder / "slice.json").read_text())
+    assert set(res["failures"]) == {"dflash"} and res["log_errors"] == {"dflash": ROOT_CAUSE}
+    assert evidence.slice_failures(res) == {"dflash": f"did not start: {ROOT_CAUSE}"}
+    assert evidence.cells_of(res) == {("none", 1)} and evidence.counted_cells(res) == set()
+    assert evidence.why_not_counted(res, "none", 1) == f"failed: dflash: did not start: " \
+                                                       f"{ROOT_CAUSE}"
+    assert f"- `dflash`: did not start: {ROOT_CAUSE}" in (folder / "slice.md").read_text()
+    assert f"FAILED g-json: dflash: did not start: {ROOT_CAUSE}" in printed
+    assert "| 0 of 1 | " in printed and res["not_alive_at_end"] == []
+
+
+def test_every_kind_of_failure_is_named_with_its_first_error_line():
+    """slice_failures over the records the harness writes: e2e.json flags, a serving run's
+    rows and failures (also as a phase's output), servers dead by the end, a phase's exit, a
+    runner's error; a slice without any passes."""
+    def phase(*arms, rc=0, **extra):
+        return dict(meta=dict(slice="e2e", phase="e2e"), rc=rc,
+                    outputs={"e2e/e2e.json": dict(arms=list(arms))}, **extra)
+
+    assert evidence.slice_failures(phase(e2e_passed("ddtree_triton"))) == {}
+    flagged = {"greedy_errors": [{"status": 500, "body": "boom"}], "traceback_in_log": True,
+               "alive_at_end": False, "leak_in_log": True}
+    want = {"greedy_errors": "request errors: {'status': 500, 'body': 'boom'}",
+            "traceback_in_log": "a traceback in its log", "alive_at_end": "not alive at the end",
+            "leak_in_log": "a leak in its log"}
+    for key, value in flagged.items():
+        res = phase(dict(e2e_passed("ddtree_triton"), **{key: value}))
+        assert evidence.slice_failures(res) == {"ddtree_triton": want[key]}
+    leak = "[t] ValueError: token_to_kv_pool_allocator memory leak detected!"
+    res = phase(dict(e2e_passed("ddtree_triton"), leak_in_log=True),
+                log_errors={"ddtree_triton": leak})
+    assert evidence.slice_failures(res) == {"ddtree_triton": f"a leak in its log: {leak}"}
+    assert evidence.slice_failures(phase(rc=124)) == {"phase": "exit 124"}
+    serving = slice_result("verdict", "H100", [
+        dict(row("ddtree-auto", "none", 16, [1, 1]), errors=3,
+             first_error="RuntimeError: HTTP 500")], failures={"dflash": "RuntimeError: server "
+                                                               "dflash exited with 1; log tail:"})
+    serving.update(not_alive_at_end=["plain"], error="KeyError: 'rows'",
+                   log_errors={"ddtree-auto-null": CUDA_CRASH})
+    assert evidence.slice_failures(serving) == {
+        "runner": "the slice stopped: KeyError: 'rows'",
+        "dflash": "did not start: RuntimeError: server dflash exited with 1; log tail:",
+        "ddtree-auto": "3 request errors at none@16: RuntimeError: HTTP 500",
+        "plain": "not alive at the end", "ddtree-auto-null": f"its server log: {CUDA_CRASH}"}
+    profile = dict(meta=dict(slice="profile-testbed", phase="profile"), rc=0, outputs={
+        "profile/results.json": dict(failures={"profile ddtree-b15@64": "TimeoutError: t"},
+                                     rows=[dict(arm="dflash", concurrency=1, errors=1,
+                                                first_error="E")])})
+    assert evidence.slice_failures(profile) == {
+        "profile ddtree-b15@64": "failed: TimeoutError: t", "dflash": "1 request errors at c = 1: E"}
+    # a check cut short (a timeout; or stopped before its first arm, no e2e.json): exit 0
+    asked = dict(slice="e2e", phase="e2e", env=dict(ARMS="ddtree_triton,plain_triton"))
+    assert evidence.slice_failures(dict(phase(e2e_passed("ddtree_triton")), meta=asked)) == {
+        "plain_triton": "not checked: the phase stopped before it"}
+    assert set(evidence.slice_failures(dict(meta=asked, rc=0, outputs={}))) == {
+        "ddtree_triton", "plain_triton"}
+    features = dict(meta=dict(slice="features-auto", phase="features"), rc=0, outputs={
+        "features/features.json": dict(health=dict(
+            ddtree=dict(alive=False, leak_in_log=False, traceback_in_log=False),
+            plain=dict(alive=True, leak_in_log=False, traceback_in_log=False)))})
+    assert evidence.slice_failures(features) == {"ddtree": "not alive at the end"}
+
+
+def test_adopt_records_a_note_on_what_the_code_that_ran_changed(tmp_path, capsys):
+    """A batch run on its commit plus a stand-in change: `adopt --note` records the note in
+    each slice.json and atop its slice.md; the report shows each such slice's commit with its
+    note's number and the note under the tables.  Adopting again with the same note changes
+    nothing; with another note it is refused."""
+    plan_path = write_plan(tmp_path)
+    returned, results = tmp_path / "batch", tmp_path / "results"
+    e2e = dict(meta=dict(slice="e2e", phase="e2e", device="NVIDIA H100 80GB HBM3",
+                         date="2026-12-07", commit="5333599+maxbs-patch", arms=[]), rc=0,
+               outputs={"e2e/e2e.json": dict(arms=[e2e_passed("ddtree_triton"),
+                                                   e2e_passed("plain_triton")])})
+    commit(returned, e2e, "2026-12-07_h10080gbhbm3_2")
+    (returned / "e2e" / "2026-12-07_h10080gbhbm3_2" / "slice.md").write_text("# e2e\n")
+    note = ("stand-in change, not 5333599 as committed: _max_batch_size bounded at 256 where "
+            "the request pool was None.")
+    args = ["--plan", str(plan_path), "--results", str(results)]
+    assert evidence_cli.main(args + ["adopt", str(returned), "--note", note]) == 0
+    adopted = results / "e2e" / "2026-12-07_h10080gbhbm3_2"
+    assert json.loads((adopted / "slice.json").read_text())["meta"]["note"] == note
+    assert (adopted / "slice.md").read_text() == f"> Note (given at adoption): {note}\n\n# e2e\n"
+    report = (results / "README.md").read_text()
+    assert "| e2e | passed (exit 0) | 5333599+maxbs-patch (not as committed: note 1) | NVIDIA " \
+           "H100 80GB HBM3 | 2026-12-07 |" in report
+    assert f"1. 5333599+maxbs-patch: {note} Slices: [e2e/2026-12-07_h10080gbhbm3_2]" in report
+    assert evidence_cli.main(args + ["adopt", str(returned), "--note", note]) == 0
+    assert (results / "README.md").read_text() == report
+    capsys.readouterr()
+    assert evidence_cli.main(args + ["adopt", str(returned), "--note", "other"]) == 2
+    assert "exists already with other files" in capsys.readouterr().err

@@ -47,3 +47,57 @@ def test_report_shows_the_servers_own_step_period_where_logged():
     assert "| 16.0 (14.0; 3 lines) | 1100.0 |" in md
     assert "server step ms" not in report.markdown(
         dict(meta=meta, rows=[dict(row, server_decode=None)], failures={}))
+
+
+# A DDTREE server that died at startup (SGLang 0.5.17 at 5333599): the scheduler's traceback,
+# then the launcher's own once the scheduler is gone.
+CRASH_LOG = """[2026-12-07 14:02:10] Load weight end. elapsed=0.01 s, type=DFlashDraftModel
+[2026-12-07 14:02:11] Scheduler hit an exception: Traceback (most recent call last):
+  File "/tmp/sglang-site/sglang/srt/managers/scheduler.py", line 4931, in run_scheduler_process
+    scheduler = Scheduler(
+                ^^^^^^^^^^
+  File "src/ddtree_sglang/sglang_plugin/worker.py", line 68, in __init__
+    tuple(s.budgets), max_bs=self._max_batch_size(),
+                             ^^^^^^^^^^^^^^^^^^^^^^
+  File "src/ddtree_sglang/sglang_plugin/worker.py", line 152, in _max_batch_size
+    return max(int(self.model_runner.req_to_token_pool.req_to_token.shape[0]), int(graphs))
+                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+AttributeError: 'NoneType' object has no attribute 'req_to_token'
+
+[2026-12-07 14:02:11] Received sigquit from a child process. It usually means the child failed.
+Traceback (most recent call last):
+  File "/tmp/sglang-site/sglang/srt/entrypoints/engine.py", line 1703, in _launch_subprocesses
+EOFError
+
+During handling of the above exception, another exception occurred:
+
+RuntimeError: Initialization failed. Please see the error messages above.
+[2026-12-07 14:02:16] kill_process_tree called: parent_pid=3329, include_parent=True
+"""
+ROOT_CAUSE = "AttributeError: 'NoneType' object has no attribute 'req_to_token'"
+
+
+def test_a_crashed_servers_log_gives_its_first_tracebacks_exception_line():
+    from ddtree_bench.server_log import first_error_line, log_problem
+
+    assert first_error_line(CRASH_LOG) == log_problem(CRASH_LOG) == ROOT_CAUSE
+    # a log tail cut inside the traceback (the harness keeps the last lines of a dead
+    # server's log): found by its frames
+    tail = "\n".join(CRASH_LOG.splitlines()[6:])
+    assert "Traceback" not in tail.split(ROOT_CAUSE)[0]
+    assert first_error_line(tail) == ROOT_CAUSE
+    # a leak from SGLang's strict idle check; a clean log (warnings with indented lines too)
+    leak = line(4, 4.0, 1000.0) + "[t] ValueError: token_to_kv_pool_allocator memory leak " \
+        "detected! available_size=10, protected_size=0\n"
+    assert log_problem(leak).startswith("[t] ValueError: token_to_kv_pool_allocator memory leak")
+    clean = (line(4, 4.0, 1000.0) + "/x/launch_server.py:56: UserWarning: use sglang serve\n"
+             "  warnings.warn(\n")
+    assert log_problem(clean) is None and first_error_line(clean) is None
+
+
+def test_a_server_log_names_its_arm():
+    from ddtree_bench.server_log import arm_of_log
+
+    assert arm_of_log("e2e/logs/server_ddtree_triton.log") == "ddtree_triton"  # the GPU checks
+    assert arm_of_log("ddtree-default-null_r0_gpu0.log") == "ddtree-default-null"  # bench/run.py
+    assert arm_of_log("ddtree-b15_r1_gpu2-3.log") == "ddtree-b15"

@@ -17,6 +17,10 @@ stopped.  Slices combine only through their ratios: absolute tok/s never leave t
 
 Slices of kind `phase` run a GPU check or profile of scripts/gpu_run.sh (e2e, features, cost,
 profile) as one cell; their result is the phase's files and exit code.
+
+A slice that *failed* counts nothing, serving or phase alike (slice_failures): an arm that did
+not start, request errors, a server whose log holds a traceback or a leak, one not alive at the
+end, a phase's non-zero exit; each failed arm is named with its first error line.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ddtree_bench.config import Arm, BenchConfig, ConfigError, describe_errors
 from ddtree_bench.grammars import kind_names
+from ddtree_bench.server_log import first_error_line
 
 RESULT_FILE = "slice.json"
 PHASES = ("e2e", "features", "rel", "cost", "profile", "micro", "kernel")
@@ -194,11 +199,114 @@ def cell_rows(result: dict, kind: str, conc: int) -> list[dict]:
     return [r for r in result["rows"] if (r["kind"], r["concurrency"]) == (kind, conc)]
 
 
+def _first_line(error: str) -> str:
+    """An error text's line worth reading: its traceback's exception line, else its first."""
+    return first_error_line(error) or next(iter(error.strip().splitlines()), "?")[:300]
+
+
+def health_failure(rec: dict) -> tuple[str, None] | None:
+    """A server's end-of-run flags as the GPU checks record them (e2e.json's arms,
+    features.json's `health`): a traceback in its log, not alive at the end, a leak."""
+    flags = [(rec.get("traceback_in_log"), "a traceback in its log"),
+             (rec.get("alive_at_end", rec.get("alive")) is False, "not alive at the end"),
+             (rec.get("leak_in_log"), "a leak in its log")]
+    return next(((reason, None) for failed, reason in flags if failed), None)
+
+
+def e2e_arm_failure(rec: dict) -> tuple[str, str | None] | None:
+    """Why one arm of tests/gpu/e2e_server.py's e2e.json failed, as (reason, error text or
+    None); None: it passed.  No `healthy_after_s`: its server never became healthy (its
+    `error` says why); an `error` in its checks; greedy request errors; health_failure."""
+    if rec.get("healthy_after_s") is None:
+        return "did not start", rec.get("error")
+    if rec.get("error"):
+        return "failed its checks", rec["error"]
+    if rec.get("greedy_errors"):
+        return "request errors", str(rec["greedy_errors"][0])
+    return health_failure(rec)
+
+
+def e2e_unchecked(result: dict) -> list[str]:
+    """The arms an e2e phase was asked for (its env's ARMS) that e2e.json holds no record of:
+    the check stopped before them (a timeout; an error before the first arm, and no e2e.json).
+    The phase's exit code does not say so (scripts/gpu_run.sh packs the logs after it)."""
+    checked = {rec["arm"] for out in (result.get("outputs") or {}).values()
+               if isinstance(out, dict) for rec in out.get("arms") or []
+               if isinstance(rec, dict) and "arm" in rec}
+    wanted = [a for a in (result["meta"].get("env") or {}).get("ARMS", "").split(",") if a]
+    return [a for a in wanted if a not in checked]
+
+
+def _row_failure(row: dict) -> tuple[str, str | None] | None:
+    """A measured row's request errors (bench/client.py counts them and keeps the first)."""
+    if not row.get("errors"):
+        return None
+    where = f"{row['kind']}@{row.get('concurrency')}" if "kind" in row else \
+        f"c = {row.get('concurrency', row.get('batch_size'))}"
+    return f"{row['errors']} request errors at {where}", row.get("first_error")
+
+
+def slice_failures(result: dict) -> dict[str, str]:
+    """Why a slice failed, by arm ("phase" / "runner" for the slice itself): the reason and
+    the first error line, the arm's server log's where it has one (`log_errors`, read by the
+    runner before it packs the logs), else the recorded error's; empty when it did not fail.
+    Read from the slice's own record: a phase's exit code and outputs (e2e.json's arms, and
+    every arm asked for among them; features.json's `health`; a serving run's `failures` and
+    rows), a serving slice's
+    `failures` (servers that did not start), rows with request errors, `not_alive_at_end`,
+    the runner's `error`, and any server log with a traceback or a leak."""
+    logged = result.get("log_errors") or {}
+    found: dict[str, str] = {}
+
+    def add(arm: str, reason: str, error: str | None = None) -> None:
+        line = logged.get(arm) or (_first_line(error) if error else None)
+        found.setdefault(arm, f"{reason}: {line}" if line else reason)
+
+    if result["meta"].get("phase") and result.get("rc") != 0:
+        add("phase", f"exit {result.get('rc')}")
+    if result.get("error"):
+        add("runner", "the slice stopped", result["error"])
+    outputs = [o for o in (result.get("outputs") or {}).values() if isinstance(o, dict)]
+    for out, reason in [(result, "did not start"), *((o, "failed") for o in outputs)]:
+        for arm, error in (out.get("failures") or {}).items():
+            add(arm, reason, str(error))
+        for row in out.get("rows") or []:
+            if isinstance(row, dict) and "arm" in row and (why := _row_failure(row)):
+                add(row["arm"], *why)
+        for rec in out.get("arms") or []:
+            if isinstance(rec, dict) and "arm" in rec and (why := e2e_arm_failure(rec)):
+                add(rec["arm"], *why)
+        for arm, rec in (out.get("health") or {}).items():
+            if isinstance(rec, dict) and (why := health_failure(rec)):
+                add(arm, *why)
+    for arm in e2e_unchecked(result) if result["meta"].get("phase") == "e2e" else []:
+        add(arm, "not checked: the phase stopped before it")
+    for arm in result.get("not_alive_at_end") or []:
+        add(arm, "not alive at the end")
+    for arm in logged:
+        add(arm, "its server log")
+    return found
+
+
+def failure_lines(result: dict) -> list[str]:
+    """Markdown lines for a failed slice (none for one that did not fail): each failed arm and
+    its first error line, and that the slice counts nothing."""
+    failed = slice_failures(result)
+    if not failed:
+        return []
+    return ["**Failed: this slice counts nothing.**", ""] + [
+        f"- `{arm}`: {line}" for arm, line in failed.items()] + [""]
+
+
 def why_not_counted(result: dict, kind: str, conc: int) -> str | None:
-    """Why a measured cell of a serving slice does not count (None: it counts): no null in
-    the slice, its twin not measured, or its null outside the band."""
+    """Why a measured cell of a serving slice does not count (None: it counts): the slice
+    failed, no null in the slice, its twin not measured, or its null outside the band."""
     from ddtree_bench.slices import NULL_BAND, null_ratio
 
+    failed = slice_failures(result)
+    if failed:
+        arm, line = next(iter(failed.items()))
+        return f"failed: {arm}: {line}"
     null = slice_null(result)
     if null is None:
         return "no null"
@@ -211,8 +319,12 @@ def why_not_counted(result: dict, kind: str, conc: int) -> str | None:
 
 
 def counted_cells(result: dict) -> set[tuple[str, int]]:
-    """The cells of a slice result that count toward the plan: a passed phase; a serving cell
-    with every arm measured and its null within the band."""
+    """The cells of a slice result that count toward the plan: none of a failed slice
+    (slice_failures), nor of a run on a stand-in (adopted with a note: not the commit as
+    committed, so the plan still owes that slice); a passed phase; a serving cell with every
+    arm measured and its null within the band."""
+    if slice_failures(result) or result["meta"].get("note"):
+        return set()
     if result["meta"].get("phase"):
         return cells_of(result)
     return {c for c in cells_of(result) if why_not_counted(result, *c) is None}
@@ -369,8 +481,8 @@ def report_markdown(plan: EvidencePlan, results: list[dict], link_prefix: str = 
                      f"| {len(e['folders'])} | {nulls} | {cards} | {links} |")
     left_out = [r for r in slice_cells(results) if not r["counts"]]
     if left_out:
-        lines += ["", "Measured but not counted (a slice without a null, or a null outside "
-                  f"{NULL_BAND[0]}-{NULL_BAND[1]}); each slice's own ratios:", "",
+        lines += ["", "Measured but not counted (a failed slice, a slice without a null, or a "
+                  f"null outside {NULL_BAND[0]}-{NULL_BAND[1]}); each slice's own ratios:", "",
                   "| slice | kind | c | arm | x DFLASH | x plain | null | why | card | result |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in left_out:
@@ -379,14 +491,19 @@ def report_markdown(plan: EvidencePlan, results: list[dict], link_prefix: str = 
                          f"{_num(r['null'], '.3f')} | {r['why']} | "
                          f"{r['card'].replace('NVIDIA ', '')} | "
                          f"[{r['folder']}]({link_prefix}{r['folder']}/) |")
+    notes = adoption_notes(results)
     phases = [r for r in results if r["meta"].get("phase")]
     if phases:
-        lines += ["", "| phase slice | result | card | date | folder |", "|---|---|---|---|---|"]
+        lines += ["", "| phase slice | result | commit | card | date | folder |",
+                  "|---|---|---|---|---|---|"]
         for r in phases:
-            lines.append(f"| {r['meta']['slice']} | {'passed' if r.get('rc') == 0 else 'failed'}"
-                         f" (exit {r.get('rc')}) | {r['meta']['device']} | {r['meta']['date']} "
-                         f"| [{r['folder']}]({link_prefix}{r['folder']}/) |")
-    lines += profile_lines(phases, link_prefix)
+            lines.append(f"| {r['meta']['slice']} | "
+                         f"{'**failed**' if slice_failures(r) else 'passed'} (exit {r.get('rc')})"
+                         f" | {commit_text(r, notes)} | {r['meta']['device']} | "
+                         f"{r['meta']['date']} | [{r['folder']}]({link_prefix}{r['folder']}/) |")
+    lines += failed_slice_lines(results, notes, link_prefix)
+    lines += profile_lines(phases, link_prefix, notes)
+    lines += note_lines(results, notes, link_prefix)
     pending = next_slices(plan, have)
     lines += ["", f"Pending ({plan.slices_per_cell} counted results per cell wanted): " + (
         "; ".join(f"{s.id} (item {s.item}) at c = {', '.join(map(str, lv))}" if not s.phase
@@ -395,7 +512,53 @@ def report_markdown(plan: EvidencePlan, results: list[dict], link_prefix: str = 
     return "\n".join(lines) + "\n"
 
 
-def profile_lines(phases: list[dict], link_prefix: str = "") -> list[str]:
+def adoption_notes(results: list[dict]) -> dict[str, int]:
+    """Each distinct note recorded at adoption (`evidence.py adopt --note`: what the code that
+    ran differed in from its commit), numbered in order of first appearance."""
+    texts = dict.fromkeys(r["meta"]["note"] for r in results if r["meta"].get("note"))
+    return {text: i + 1 for i, text in enumerate(texts)}
+
+
+def commit_text(result: dict, notes: dict[str, int]) -> str:
+    """A slice's commit as the report shows it: with its note's number where one was given,
+    so a slice run on changed code is never read as a run of that commit."""
+    commit = result["meta"].get("commit", "?")
+    note = result["meta"].get("note")
+    return f"{commit} (not as committed: note {notes[note]})" if note else commit
+
+
+def note_lines(results: list[dict], notes: dict[str, int], link_prefix: str = "") -> list[str]:
+    """The notes given at adoption, each with the commits and slices it concerns."""
+    lines = ["", "Notes given at adoption: these slices did not run their commit as "
+             "committed."] if notes else []
+    for text, n in notes.items():
+        mine = [r for r in results if r["meta"].get("note") == text]
+        commits = ", ".join(dict.fromkeys(r["meta"].get("commit", "?") for r in mine))
+        links = ", ".join(f"[{r['folder']}]({link_prefix}{r['folder']}/)" for r in mine)
+        lines += ["", f"{n}. {commits}: {text} Slices: {links}."]
+    return lines
+
+
+def failed_slice_lines(results: list[dict], notes: dict[str, int],
+                       link_prefix: str = "") -> list[str]:
+    """Every failed slice (slice_failures), serving or phase: its failed arms, each with its
+    first error line.  They count nothing; a serving one whose arms all failed is seen only
+    here."""
+    failed = [(r, why) for r in results if (why := slice_failures(r))]
+    if not failed:
+        return []
+    lines = ["", "Failed slices (they count nothing; each failed arm with its first error "
+             "line):", ""]
+    for r, why in failed:
+        m = r["meta"]
+        lines.append(f"- {m['slice']} ([{r['folder']}]({link_prefix}{r['folder']}/); "
+                     f"{commit_text(r, notes)}, {m['device'].replace('NVIDIA ', '')}, "
+                     f"{m['date']}): " + "; ".join(f"`{a}`: {line}" for a, line in why.items()))
+    return lines
+
+
+def profile_lines(phases: list[dict], link_prefix: str = "",
+                  notes: dict[str, int] | None = None) -> list[str]:
     """The decode-step profiles of the phase slices (bench/profile.py), one row per arm@batch:
     step span, GPU busy and idle inside it, and the host's launches per step."""
     rows = [(r, cell, p) for r in phases for _, out in sorted(r.get("outputs", {}).items())
@@ -412,7 +575,7 @@ def profile_lines(phases: list[dict], link_prefix: str = "") -> list[str]:
         la = p.get("launches") or {}
         launches = (f"{la['eager']} | {la['graph']} | {la['memcpy']} / {la['memset']}"
                     if la.get("recorded") else "- | - | -")
-        lines.append(f"| {r['meta']['slice']} | {r['meta'].get('commit', '?')} | "
+        lines.append(f"| {r['meta']['slice']} | {commit_text(r, notes or {})} | "
                      f"{r['meta']['device'].replace('NVIDIA ', '')} | {cell} | {p['span_ms']} | "
                      f"{p['busy_ms']} | {p['idle_ms']} | {launches} | "
                      f"[{r['folder']}]({link_prefix}{r['folder']}/) |")

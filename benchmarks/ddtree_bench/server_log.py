@@ -1,10 +1,14 @@
-"""What a server's own log says about a measurement: SGLang's decode-batch lines.
+"""What a server's own log says: SGLang's decode-batch lines, and why a server failed.
 
 SGLang logs one line every few decode steps with the running requests, the mean accept length
 and the generation throughput over those steps.  Lines with the full load running give the
 server-side decode rate and step period of a measurement, free of the client's ramp-up,
 drain and streaming overhead, so a spread between repeats can be told apart: a server that
 really decoded slower, or a client-side difference.
+
+A server that crashed (at startup or under load) logs a Python traceback; one whose KV pool
+leaked logs SGLang's strict idle check.  The GPU checks (tests/gpu/e2e_server.py, features.py,
+reliability.py) treat either as a failure; `log_problem` gives the line that says why.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import re
 import statistics
 from pathlib import Path
 
+TRACEBACK = "Traceback (most recent call last):"
+LEAK_WORDS = ("memory leak", "use-after-free", "leak detected")
+# server_<arm>.log (the GPU checks), <arm>_r<replica>_gpu<ids>.log (bench/run.py)
+LOG_NAME = re.compile(r"^(?:server_)?(?P<arm>.+?)(?:_r\d+_gpu[\d-]+)?\.log$")
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+),.*?"
                          r"gen throughput \(token/s\): ([\d.]+)")
 
@@ -59,3 +67,34 @@ class LogWindow:
                     f.seek(offset)
                     parts.append(f.read().decode(errors="replace"))
         return "".join(parts)
+
+
+def first_error_line(text: str) -> str | None:
+    """The exception line that ends the first Python traceback in `text` (e.g. "AttributeError:
+    'NoneType' object has no attribute 'req_to_token'"): the one line a reader needs from a
+    crashed server.  A traceback whose head was cut off (a log tail) is still found by its
+    `  File "..."` frames.  None without a traceback."""
+    in_traceback = False
+    for line in text.splitlines():
+        if TRACEBACK in line or line.startswith('  File "'):
+            in_traceback = True
+        elif in_traceback and line.strip() and not line[0].isspace():
+            return line.strip()[:300]
+    return None
+
+
+def log_problem(text: str) -> str | None:
+    """Why a server's log says it failed: its first traceback's exception line, else the first
+    line naming a traceback or a leak; None for a clean log (the GPU checks' own test:
+    "Traceback" or a leak anywhere in it)."""
+    words = ("Traceback", *LEAK_WORDS)
+    if not any(w in text for w in words):
+        return None
+    return first_error_line(text) or next(
+        line.strip()[:300] for line in text.splitlines() if any(w in line for w in words))
+
+
+def arm_of_log(name: str) -> str:
+    """The arm a server log belongs to, from its file name (LOG_NAME)."""
+    m = LOG_NAME.match(Path(name).name)
+    return m["arm"] if m else Path(name).stem

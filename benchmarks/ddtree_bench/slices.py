@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Callable
@@ -55,7 +56,9 @@ def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
     compared with the reference arm's per kind.  `null`: the arm whose twin (`<null>-null`) is
     among cfg.arms; its ratio per cell goes to results["null"].  Cells that would run past
     `stop_at` (time.monotonic()) are not started and are listed in results["cells_skipped"].
-    Logs one line per measurement and one per cell."""
+    Servers that did not start go to results["failures"], those dead by the end to
+    results["not_alive_at_end"] (either fails the slice).  Logs one line per measurement and
+    one per cell."""
     prompts = run.load_prompts(cfg)
     spec_of = lambda a: run.server_spec(cfg, a, cfg.model_path, cfg.draft_model_path,  # noqa: E731
                                         extra=["--constrained-json-disable-any-whitespace"])
@@ -104,6 +107,8 @@ def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
                     results["greedy_vs_plain"].setdefault(kind, {})[name] = \
                         compare.compare_to_reference(prompts, arm_outs, outs[REFERENCE_ARM],
                                                      ref_url)
+        results["not_alive_at_end"] = [arm.name for arm, servers, err in group
+                                       if not err and not all(s.alive() for s in servers)]
         save()
 
 
@@ -186,7 +191,8 @@ def _null_text(rows: list[dict], null: str | None) -> str:
         "" if q["quiet"] else " **noisy**")
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, preface: Sequence[str] = ()) -> str:
+    """The slice's report; `preface`: lines put first under its title (why it failed)."""
     m = results["meta"]
     arms = list(m["arms"])
     null = (m.get("null") or {}).get("arm")
@@ -200,7 +206,7 @@ def markdown(results: dict) -> str:
     lines = [f"# Structured output under load, {m['device']}, {m['date']}", "",
              f"Command: `{m['command']}` (commit `{m['commit']}`). Testbed pair, greedy, "
              f"`/generate`, {m['max_new_tokens']} new tokens at most, {m['rounds']} interleaved "
-             f"rounds with a warm-up each; {work}; accept: accept length.", ""]
+             f"rounds with a warm-up each; {work}; accept: accept length.", "", *preface]
     summary = results.get("null")
     if null and summary:
         noisy = summary["noisy"]
