@@ -1,7 +1,9 @@
 """sglang_plugin/worker.py without a GPU: DDTreeWorker made without SGLang's __init__ (which
 loads models), its parts that need none checked on stand-ins: attribute forwarding, DFLASH's
-hooks it overrides, where a forward pass goes, the prefill's hand-off into the draft KV and
-the verify-attention install."""
+hooks it overrides, where a forward pass goes, the prefill's hand-off into the draft KV, the
+verify-attention install and the largest batch the step's buffers hold.  The stand-ins hand the
+worker what it reads, ready-made; its constructor and its startup in SGLang's order (the request
+pool made after the worker) run in test_startup_order.py."""
 from types import SimpleNamespace
 
 import pytest

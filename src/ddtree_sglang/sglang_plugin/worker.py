@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 class DDTreeWorker(sg.DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
-        # Both are read by init_attention_backends, which the parent's __init__ calls.
+        # Read by _choose_kernels below, and later by init_attention_backends (which SGLang
+        # calls after the pools exist).
         self.ddtree_settings = s = settings_from_args(server_args)
         started = time.perf_counter()
         self.ddtree_kernels = self._choose_kernels(target_worker, gpu_id)
