@@ -1,5 +1,10 @@
 """`ddtree-check`: SGLang finds the plugin, and the SGLANG_DDTREE_* settings of the environment
 are ones a server accepts; any problem is a line of its own and exit status 1."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("sglang", reason="ddtree-check loads SGLang's plugins")
@@ -75,8 +80,6 @@ def test_an_unregistered_plugin_and_a_bad_setting_are_both_reported(capsys, clea
 
 
 def test_an_sglang_that_does_not_know_ddtree_names_what_to_install(capsys, clean_env):
-    import sys
-
     from ddtree_sglang.sglang_plugin import sglang_api as sg
 
     def unknown(name):
@@ -88,3 +91,35 @@ def test_an_sglang_that_does_not_know_ddtree_names_what_to_install(capsys, clean
     assert "does not know DDTREE after loading its plugins" in err
     assert f"install ddtree-sglang into the environment sglang runs from (its python: " \
            f"{sys.executable})" in err
+
+
+def test_the_off_budget_setting_says_what_off_does(capsys, clean_env):
+    """`off` keeps the server's own B (its --speculative-num-draft-tokens - 1), which the check
+    cannot know: the refusal names every accepted value and says what each does, never a
+    made-up B."""
+    clean_env.setenv("SGLANG_DDTREE_BUDGETS", "abc")
+    assert main() == 1
+    err = capsys.readouterr().err
+    assert "SGLANG_DDTREE_BUDGETS='abc' is not accepted; accepted: auto (default), off, or a " \
+           "comma list of budgets in 0..1023" in err
+    assert "off always verifies B" in err and "B is the server's tree budget, " \
+           "--speculative-num-draft-tokens - 1" in err
+    assert "B = 1023" not in err
+
+
+def run_console_script() -> subprocess.CompletedProcess:
+    """`ddtree-check` as a user runs it, in this process's environment."""
+    return subprocess.run([str(Path(sys.executable).parent / "ddtree-check")],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=300)
+
+
+def test_the_console_script_answers_first(clean_env):
+    """Its answer is the first line, without the warnings and log lines SGLang's import emits
+    on a machine without a GPU (AWQ, GGUF, Triton, CUDA_HOME)."""
+    done = run_console_script()
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.startswith("DDTREE is registered") and len(done.stdout.splitlines()) == 1
+    clean_env.setenv("SGLANG_DDTREE_GRAMMAR", "fast")
+    done = run_console_script()
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("DDTREE is registered"), done.stderr

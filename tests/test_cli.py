@@ -1,6 +1,7 @@
 """Every command-line tool ends bad input in one line naming the value or file, exit code 2,
 no traceback, before any long work starts."""
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -147,3 +148,53 @@ def test_the_demo_s_words_are_the_readme_s(capsys):
     assert "accept length" in text and "acceptance length accept length" not in text
     for f in (ROOT / "benchmarks" / "results").glob("demo_cpu_*.txt"):
         assert "tau" not in f.read_text(), f.name
+
+
+def installed_copy(tmp_path, direct_url: str | None) -> Path:
+    """The package as `pip install` lays it out: a copy in a site-packages folder with no
+    testbed/ beside it, and a dist-info whose direct_url.json (PEP 610) is `direct_url`
+    (None: installed from an index, which records none)."""
+    import shutil
+
+    site = tmp_path / "lib" / "python3" / "site-packages"
+    shutil.copytree(ROOT / "src" / "ddtree_sglang", site / "ddtree_sglang",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    info = site / "ddtree_sglang-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ddtree-sglang\nVersion: 0.1.0\n")
+    if direct_url is not None:
+        (info / "direct_url.json").write_text(direct_url)
+    return site
+
+
+def run_installed(site: Path, command: list[str]):
+    """Run a command with the installed copy first on sys.path, outside the clone."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run(command, env=env, cwd=site, capture_output=True, text=True, timeout=300)
+
+
+def test_demo_installed_from_a_wheel_says_where_the_testbed_is(tmp_path):
+    """`ddtree-demo` after an install from a wheel (no testbed in it, no clone recorded): one
+    line naming what it needs and where it is, exit code 2, no traceback."""
+    site = installed_copy(tmp_path, None)
+    done = run_installed(site, [str(Path(sys.executable).parent / "ddtree-demo")])
+    assert done.returncode == 2, done.stderr
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith("ddtree-demo: error: no testbed found (a folder with target/, "
+                             "drafter/ and prompts.jsonl); the shipped testbed pair (8 MB) is the "
+                             "testbed/ folder of a ddtree-sglang clone, not in the wheel: pass "
+                             "--testbed CLONE/testbed"), err
+
+
+def test_demo_installed_from_a_clone_uses_the_clone_s_testbed(tmp_path):
+    """`pip install .` in a clone records the clone's folder: the installed copy finds its
+    testbed there."""
+    site = installed_copy(tmp_path, json.dumps({"url": ROOT.as_uri(), "dir_info": {}}))
+    done = run_installed(site, [sys.executable, "-c", "from ddtree_sglang.reference import "
+                                "testbed as t; print(t.__file__, t.find_testbed())"])
+    assert done.returncode == 0, done.stderr
+    module, found = done.stdout.split()
+    assert module.startswith(str(site)) and found == str(TESTBED)

@@ -91,6 +91,17 @@ def test_budget_candidates():
     check_env("SGLANG_DDTREE_BUDGETS", "16,64")  # benchmark arms: syntax only, B not known
 
 
+def test_a_bad_budget_list_says_what_each_accepted_value_does():
+    """`off` keeps the server's B; the refusal says so against the B it was judged with."""
+    with pytest.raises(DDTreeConfigError) as err:
+        parse_budgets("abc", 32)
+    msg = str(err.value)
+    assert "accepted: auto (default), off, or a comma list of budgets in 0..32 (0: no " \
+           "speculation); auto chooses per decode batch among budgets up to B, off always " \
+           "verifies B, a list chooses among its budgets and B, where B is the server's tree " \
+           "budget, --speculative-num-draft-tokens - 1" in msg
+
+
 def test_a_misspelt_setting_stops_startup_naming_the_nearest_known_one():
     """SGLANG_DDTREE_BUDGET=off (for BUDGETS) would otherwise be ignored: the settings refuse
     every SGLANG_DDTREE_* name that is none, with the other problems, and leave other

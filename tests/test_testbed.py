@@ -1,5 +1,6 @@
 """The shipped testbed pair on CPU: it loads, DDTree is lossless on it, and it really accepts."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +55,49 @@ def test_pair_accepts_across_prompts(testbed):
         for row in testbed.prompts[:6]:
             lens += spec.generate(testbed.encode(row), 32, mode="ddtree", budget=32).accept_lens
     assert sum(lens) / len(lens) > 1.3
+
+
+class _Record:
+    """A stand-in for an installed distribution holding `direct_url.json` text (or None)."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def read_text(self, name):
+        assert name == "direct_url.json"
+        return self.text
+
+
+@pytest.mark.parametrize("record, folder", [
+    ('{"url": "file:///home/me/ddtree%20sglang", "dir_info": {}}', "/home/me/ddtree sglang"),
+    ('{"url": "file:///work/clone", "dir_info": {"editable": true}}', "/work/clone"),
+    ('{"url": "https://example.org/ddtree_sglang-0.1.0.tar.gz", "archive_info": {}}', None),
+    ('{"url": "git+https://example.org/ddtree-sglang", "vcs_info": {}}', None),
+    (None, None),  # an install from an index records no direct URL
+    ("not json", None),
+])
+def test_installed_from_reads_the_folder_pip_recorded(monkeypatch, record, folder):
+    """PEP 610: `pip install CLONE` records the clone's folder; anything else is no clone."""
+    from ddtree_sglang.reference import testbed as tb
+
+    monkeypatch.setattr(tb, "distribution", lambda name: _Record(record))
+    assert tb.installed_from() == (Path(folder) if folder else None)
+
+
+def test_after_pip_install_of_a_clone_the_demo_finds_the_clone_s_testbed(monkeypatch, tmp_path):
+    """The wheel has no testbed (8 MB of weights every server install would carry): the
+    package in site-packages finds the one in the clone pip installed it from, and none
+    when that clone is gone or the package came from an index."""
+    from ddtree_sglang.reference import testbed as tb
+
+    monkeypatch.setattr(tb, "SOURCE_TESTBED", tmp_path / "lib" / "testbed")  # site-packages
+    clone = tmp_path / "clone"
+    monkeypatch.setattr(tb, "installed_from", lambda: clone)
+    assert tb.find_testbed() is None  # the clone is gone
+    (clone / "testbed").mkdir(parents=True)
+    assert tb.find_testbed() == clone / "testbed"
+    monkeypatch.setattr(tb, "installed_from", lambda: None)
+    assert tb.find_testbed() is None
+    with pytest.raises(tb.TestbedError, match="is the testbed/ folder of a ddtree-sglang clone, "
+                                              "not in the wheel: pass --testbed CLONE/testbed"):
+        tb.load_testbed(tmp_path / "nowhere")

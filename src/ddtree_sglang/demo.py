@@ -90,13 +90,15 @@ def _main(argv: list[str] | None) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    from ddtree_sglang.reference.testbed import DEFAULT_TESTBED, TestbedError, load_testbed
+    from ddtree_sglang.reference.testbed import (WHERE_TESTBED, TestbedError, find_testbed,
+                                                 load_testbed)
     from ddtree_sglang.sampling.sample import SamplingParams
 
     ap = Parser(prog=PROG, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--testbed", type=Path, default=DEFAULT_TESTBED,
-                    help="folder with target/, drafter/, prompts.jsonl (default: the shipped one)")
+    ap.add_argument("--testbed", type=Path, default=None,
+                    help="folder with target/, drafter/, prompts.jsonl (default: testbed/ of "
+                         "the clone this package runs or was installed from)")
     ap.add_argument("--prompts", type=positive_int, default=4, help="how many prompts (from the top)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)
     ap.add_argument("--budget", type=positive_int, default=32, help="DDTree tree budget B")
@@ -107,6 +109,10 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--threads", type=non_negative_int, default=0,
                     help="torch CPU threads (0 = torch's default)")
     args = ap.parse_args(argv)
+    args.testbed = args.testbed or find_testbed()
+    if args.testbed is None:
+        raise CliError(f"no testbed found (a folder with target/, drafter/ and prompts.jsonl);"
+                       f" {WHERE_TESTBED}")
     try:
         sampling = SamplingParams(temperature=args.temperature)
     except ValueError as exc:

@@ -4,14 +4,50 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import torch
 
 from ddtree_sglang.reference.drafter import DFlashDrafter
 from ddtree_sglang.reference.loop import ReferenceSpeculator
 
-DEFAULT_TESTBED = Path(__file__).resolve().parents[3] / "testbed"
+# The testbed's 8 MB of weights stay in the source tree, out of the wheel that every GPU server
+# installs: a clone (or an editable install) finds it beside src/, `pip install .` in a clone
+# through the folder pip recorded (installed_from).
+SOURCE_TESTBED = Path(__file__).resolve().parents[3] / "testbed"
+WHERE_TESTBED = ("the shipped testbed pair (8 MB) is the testbed/ folder of a ddtree-sglang "
+                 "clone, not in the wheel: pass --testbed CLONE/testbed, or install from the "
+                 "clone (pip install CLONE)")
+
+
+def installed_from() -> Path | None:
+    """The local folder `pip install PATH` installed this package from (PEP 610's
+    direct_url.json), or None (an index or archive install, or no record)."""
+    try:
+        record = distribution("ddtree-sglang").read_text("direct_url.json")
+    except PackageNotFoundError:
+        return None
+    try:
+        url = urlparse(json.loads(record or "{}").get("url", ""))
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return Path(unquote(url.path)) if url.scheme == "file" else None
+
+
+def find_testbed() -> Path | None:
+    """The source tree's testbed/: beside the package, else in the folder pip installed it
+    from, if that folder is still there; None after an install from a wheel."""
+    clone = installed_from()
+    for path in (SOURCE_TESTBED, clone and clone / "testbed"):
+        if path and path.is_dir():
+            return path
+    return None
+
+
+# load_testbed()'s default; where none is found, loading it names WHERE_TESTBED.
+DEFAULT_TESTBED = find_testbed() or SOURCE_TESTBED
 
 
 @dataclass
@@ -73,8 +109,10 @@ def load_testbed(path: str | Path = DEFAULT_TESTBED, device: str = "cpu",
 
     root = Path(path)
     if not root.is_dir():
+        shipped = find_testbed()
+        where = f"the shipped one is {shipped}" if shipped else WHERE_TESTBED
         raise TestbedError(f"{root}: no such directory (a testbed holds target/, drafter/ and "
-                           f"prompts.jsonl; the shipped one is {DEFAULT_TESTBED})")
+                           f"prompts.jsonl; {where})")
     for need in ("target/config.json", "drafter/config.json", "prompts.jsonl"):
         if not (root / need).is_file():
             raise TestbedError(f"{root}: {need} is missing (a testbed holds target/, drafter/ "

@@ -10,11 +10,30 @@ problem on a line of its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from ddtree_sglang.sglang_plugin.settings import environment_problems
+
+
+@contextmanager
+def quiet_sglang_import() -> Iterator[None]:
+    """Hold back the warnings and log records below ERROR that importing SGLang emits (on a
+    machine without a GPU: AWQ, GGUF, Triton, CUDA_HOME), so that the check's answer is its
+    first line; exceptions and errors still show."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 def plugin_status() -> tuple[bool, str]:
@@ -28,9 +47,10 @@ def plugin_status() -> tuple[bool, str]:
         return False, (f"SGLANG_PLUGINS={os.environ['SGLANG_PLUGINS']!r} leaves out this plugin "
                        "(its entry point is named 'ddtree'), so SGLang skips it; add ddtree to "
                        "SGLANG_PLUGINS or unset it")
-    from ddtree_sglang.sglang_plugin import sglang_api as sg
+    with quiet_sglang_import():
+        from ddtree_sglang.sglang_plugin import sglang_api as sg
 
-    sg.load_plugins()
+        sg.load_plugins()
     try:
         sg.SpeculativeAlgorithm.from_string("DDTREE")
     except (ValueError, KeyError) as exc:

@@ -50,7 +50,8 @@ DEBUG_FLAGS = {
     "sglang_attention": "verify with SGLang's own masked extend kernel instead of DDTREE's "
                         "tree-attention kernel",
     "unchecked": "start set-ups implemented but not yet checked on a GPU against plain "
-                 "SGLang (--tp-size > 1, --page-size 2..64 other than 16), for that check",
+                 "SGLang (--tp-size > 1, --page-size 2..64 other than 16, gated-delta hybrid "
+                 "targets such as Qwen3-Next and Qwen3.5), for that check",
     "switch_budgets": "the batch-aware budget explores every second step and acts on any "
                       "predicted gain, so that requests move between budgets (for the GPU "
                       "check that they stay exact)",
@@ -67,9 +68,10 @@ def parse_budgets(value: str, max_budget: int) -> tuple[int, ...]:
         return tuple(candidate_budgets(max_budget))
     if value == "off":
         return (max_budget,)
-    accepted = (f"accepted: auto (default), off (always B = {max_budget}), or a comma list of "
-                f"budgets in 0..{max_budget} (0: no speculation; B = "
-                "--speculative-num-draft-tokens - 1 is always one of them)")
+    accepted = (f"accepted: auto (default), off, or a comma list of budgets in 0..{max_budget} "
+                "(0: no speculation); auto chooses per decode batch among budgets up to B, off "
+                "always verifies B, a list chooses among its budgets and B, where B is the "
+                "server's tree budget, --speculative-num-draft-tokens - 1")
     try:
         budgets = sorted({int(x) for x in value.split(",")})
     except ValueError:
