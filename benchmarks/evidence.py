@@ -56,8 +56,10 @@ def _meta(s: evidence.SlicePlan, plan: evidence.EvidencePlan, levels: list[int])
                 phase=s.phase, env=s.env)
     if not s.phase:
         twin = evidence.slice_arms(plan, s)[-1].name
-        meta.update(arms=[*s.arms, twin], work="fixed",
-                    null=dict(arm=evidence.null_of(plan, s), twin=twin))
+        meta.update(arms=[*s.arms, twin], work="fixed", shapes=s.shapes,
+                    simulate=dict(s.simulate),
+                    null=dict(arm=evidence.null_of(plan, s), twin=twin,
+                              server=s.null_server))
     return meta
 
 
@@ -107,7 +109,8 @@ def run_serving(plan, s, levels, folder: Path, stop_at: float) -> dict:
     save = lambda: (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))  # noqa: E731
     try:
         slices.measure_slice(cfg, s.kinds, folder, results, save, stop_at=stop_at,
-                             null=evidence.null_of(plan, s))
+                             null=evidence.null_of(plan, s),
+                             null_on_own_server=s.null_server == "same")
     except Exception as exc:  # noqa: BLE001 - a broken slice is recorded, the call goes on
         results["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     results["log_errors"] = log_errors(folder / "logs")
@@ -148,7 +151,7 @@ def cmd_run(args) -> int:
     stop_at = t0 + args.seconds
     plan = evidence.load_plan(args.plan)
     have = evidence.counts(evidence.read_slices(args.results))
-    todo = evidence.next_slices(plan, have)
+    todo = evidence.next_slices(plan, have, run.device_name())
     if args.only:
         unknown = sorted(set(args.only) - {s.id for s in plan.slices})
         if unknown:
@@ -222,6 +225,7 @@ def cmd_next(args) -> int:
         return 0
     for s, levels in todo:
         where = f"phase {s.phase}" if s.phase else f"c = {', '.join(map(str, levels))}"
+        where += f", {s.card} only" if s.card else ""
         print(f"{s.id} (item {s.item}, {where}): ~{evidence.estimate_seconds(plan, s, levels):.0f}"
               f" s cold; {s.what}")
     return 0

@@ -209,6 +209,63 @@ def test_a_profile_only_serving_config_end_to_end(tmp_path, fake_env):
         assert (out / "traces" / "ddtree-b15@2" / rec / "fake-TP-0.trace.json.gz").is_file()
 
 
+# What a scheduler's host sampler writes (ddtree_bench/host_sampler.py), less its steps:
+# 70 samples over a 70 ms window
+HOST_SAMPLES = {
+    "interval_ms": 1.0, "window_ms": 70.0, "samples": 70, "sampler_ms": 1.4,
+    "stages": {"run_batch > ddtree_verify": 40, "process_batch_result": 30},
+    "self": {"ddtree_sglang/sglang_plugin/decode_step.py:DecodeStep.verify": {"samples": 40,
+                                                                              "line": 210},
+             "managers/scheduler.py:Scheduler.process_batch_result": {"samples": 30,
+                                                                      "line": 95}},
+    "cumulative": {"managers/scheduler.py:Scheduler.run_batch": 40,
+                   "managers/scheduler.py:Scheduler.process_batch_result": 30}}
+
+
+def test_host_samples_add_a_host_table_per_cell_side_by_side(tmp_path, fake_env, monkeypatch,
+                                                            capsys):
+    """profile.host_samples: every server starts with DDTREE_BENCH_HOST_SAMPLES=1 (as the plan
+    prints), a third recording per cell asks /start_profile for [HOST_SAMPLES] over host_steps
+    steps and reads the samples file the scheduler writes (here written where the stand-in
+    answers); results.json holds ms per step by stage and function, profile.md puts the
+    cells of a batch side by side.  A cell whose server sampled nothing says so."""
+    from ddtree_bench import host_sampler
+
+    cfg = write_config(tmp_path, concurrency=[], startup_group=2, max_total_tokens=65536,
+                       profile={"batches": [2], "steps": 5, "new_tokens": 16, "launches": False,
+                                "host_samples": True, "host_steps": 7})
+    assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0
+    commands = _commands(capsys.readouterr().out)
+    assert commands and all(f"{host_sampler.ENV}=1" in shlex.split(line) for _, line in commands)
+    asked, real = [], profile.start_profile
+
+    def start_profile(url, out_dir, steps, activities=("GPU",)):
+        real(url, out_dir, steps, activities)
+        asked.append((list(activities), steps))
+        if host_sampler.ACTIVITY in activities:  # the scheduler's sampler, after its steps
+            (out_dir / "host-samples-TP-0.json").write_text(
+                json.dumps(dict(HOST_SAMPLES, steps=steps)))
+
+    monkeypatch.setattr(profile, "start_profile", start_profile)
+    out = tmp_path / "res"
+    assert serve_bench.main(["--config", str(cfg), "--out", str(out)]) == 0
+    assert asked == [(["GPU"], 5), ([host_sampler.ACTIVITY], 7)] * 2
+    res = json.loads((out / "results.json").read_text())
+    assert res["failures"] == {}
+    host = res["profiles"]["ddtree-b15@2"]["host"]
+    assert host["steps"] == 7 and host["step_ms"] == 10.0 and host["sampler_ms"] == 0.2
+    assert host["stages"] == {"run_batch > ddtree_verify": 5.7143, "process_batch_result": 4.2857}
+    assert host["self"][0] == {"function": "ddtree_sglang/sglang_plugin/decode_step.py:"
+                               "DecodeStep.verify", "line": 210, "ms": 5.7143}
+    md = (out / "profile.md").read_text()
+    assert "## host: where the scheduler's time goes per decode step" in md
+    assert "| stage | dflash@2 | ddtree-b15@2 |" in md
+    assert "| run_batch > ddtree_verify | 5.7143 | 5.7143 |" in md
+    assert "| `managers/scheduler.py:Scheduler.process_batch_result` | 4.2857 (:95) | " in md
+    failed = profile.host_markdown({"ddtree-b15@1": {"host_error": "TimeoutError: no file"}})
+    assert "- ddtree-b15@1: no host samples: TimeoutError: no file" in failed
+
+
 def test_a_load_that_ends_before_the_profiled_steps_is_named(tmp_path):
     with pytest.raises(RuntimeError, match="raise profile.new_tokens"):
         profile.wait_for_trace(tmp_path, timeout=5, given_up=lambda: True, grace=0.3)

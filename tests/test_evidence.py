@@ -294,7 +294,8 @@ def test_the_shipped_plan_is_valid_and_every_phase_and_config_exists():
     assert set(profiles) == {"profile-testbed", "profile-8b"}
     testbed = load_config(ROOT / profiles["profile-testbed"].env["CONFIG"])
     assert [a.name for a in testbed.arms] == ["dflash", "ddtree-default", "ddtree-b15"]
-    assert testbed.profile.batches == [1, 64] and testbed.profile.launches
+    assert testbed.profile.batches == [1, 16, 64] and testbed.profile.launches
+    assert testbed.profile.host_samples
     assert run.arm_env(testbed.arms[2]) == {"SGLANG_DDTREE_BUDGETS": "off"}
     qwen = load_config(ROOT / profiles["profile-8b"].env["CONFIG"])
     assert qwen.cost_mode.enabled and qwen.profile.batches == [1, 64] and qwen.profile.launches
@@ -373,7 +374,7 @@ def test_a_call_runs_the_next_slice_against_stand_in_servers(tmp_path, monkeypat
     assert evidence.cells_of(res) == {("json", 1), ("none", 1), ("json", 16), ("none", 16)}
     assert res["cells_skipped"] == [] and res["failures"] == {}
     assert res["meta"]["arms"] == ["plain", "ddtree-auto", TWIN]
-    assert res["meta"]["null"] == dict(arm="ddtree-auto", twin=TWIN)
+    assert res["meta"]["null"] == dict(arm="ddtree-auto", twin=TWIN, server="twin")
     assert set(res["null"]["cells"]) == {"json@1", "none@1", "json@16", "none@16"}
     for kind, conc in evidence.cells_of(res):  # one request list per cell, every arm
         cell = evidence.cell_rows(res, kind, conc)
@@ -395,6 +396,71 @@ def test_a_call_runs_the_next_slice_against_stand_in_servers(tmp_path, monkeypat
     capsys.readouterr()
     assert evidence_cli.main(args + ["next"]) == 0
     assert "g-json (item 1, c = 1, 16)" in capsys.readouterr().out  # at most 1 of 2 per cell
+
+
+def test_a_null_on_its_own_server_measures_that_server_twice(tmp_path, monkeypatch, capsys):
+    """null_server "same" (a card that holds no further server): the twin starts no server
+    of its own; each round measures the null's server twice, as two arms of the cell."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests'}:{ROOT / 'src'}")
+    plan_path = write_plan(tmp_path, PLAN.replace("rounds: 2", "rounds: 1").replace(
+        "concurrency: [1, 64],\n     seconds: 8}", "concurrency: [1],\n     seconds: 0.1, "
+        "null_server: same}").replace("\nseconds: 4\n", "\nseconds: 0.1\nstartup_seconds: 5"
+                                     "\nlauncher_module: fake_sglang_server\n"))
+    plan = evidence.load_plan(plan_path)
+    verdict = next(s for s in plan.slices if s.id == "verdict")
+    assert [a.name for a in evidence.slice_servers(plan, verdict)] == [
+        "plain", "dflash", "ddtree-auto"]
+    out = tmp_path / "out"
+    assert evidence_cli.main(["--plan", str(plan_path), "--results", str(tmp_path / "r"), "run",
+                              "--out", str(out), "--seconds", "300", "--only", "verdict"]) == 0
+    folder = next((out / "verdict").iterdir())
+    res = json.loads((folder / "slice.json").read_text())
+    assert res["meta"]["null"] == dict(arm="ddtree-auto", twin=TWIN, server="same")
+    assert sorted(r["arm"] for r in res["rows"]) == sorted(["plain", "dflash", "ddtree-auto",
+                                                            TWIN])
+    assert slices.null_ratio(res["rows"], "ddtree-auto") is not None
+    with tarfile.open(folder / "logs.tgz") as tar:
+        servers = [n for n in tar.getnames() if "/server_" in n or n.startswith("logs/")]
+    assert not any(TWIN in n for n in servers)  # no server of its own
+    assert "against its own server measured a second time in each round" in \
+        (folder / "slice.md").read_text()
+    capsys.readouterr()
+
+
+def test_the_8b_verdict_slices_fit_their_card_and_force_every_arm_s_acceptance():
+    """Issue 55's slices at Qwen3-8B shapes: each runs on its card only (H100 and H200 are
+    separate verdicts); random weights in bfloat16; DFLASH at SGLang's simulated length and
+    every DDTREE arm at a curve the server accepts for its candidate budgets; at most three
+    servers (two at c >= 128 on an H100), the null measured on its own server; each server's
+    KV holds every request of its highest level at once; a slice fits one device call."""
+    from ddtree_sglang.sglang_plugin.settings import DDTreeSettings
+
+    plan = evidence.load_plan(ROOT / "configs" / "evidence.yaml")
+    eight_b = [s for s in plan.slices if s.shapes == "qwen3-8b"]
+    assert {s.card for s in eight_b} == {"h100", "h200"} and len(eight_b) >= 8
+    ids = [s.id for s in plan.slices]
+    assert max(ids.index(s.id) for s in eight_b) < ids.index("verdict-low")  # ahead of it
+    for s in eight_b:
+        cfg = evidence.slice_config(plan, s, ROOT)
+        servers = evidence.slice_servers(plan, s)
+        assert cfg.random_weights and cfg.dtype == "bfloat16" and s.null_server == "same"
+        assert len(servers) <= (2 if s.card == "h100" and min(s.concurrency) >= 128 else 3)
+        assert cfg.max_total_tokens >= max(s.concurrency) * (
+            s.prompt_len + cfg.max_new_tokens + 66), s.id
+        assert evidence.estimate_seconds(plan, s, s.concurrency) < plan.call_seconds, s.id
+        for arm in servers:
+            env = run.arm_env(arm)
+            if arm.algorithm == "DFLASH":
+                assert float(env["SGLANG_SIMULATE_ACC_LEN"]) in (7.79, 4.28)
+            elif arm.algorithm == "DDTREE":
+                settings = DDTreeSettings.from_values(32, 16, environ=env)  # refused if not
+                assert settings.simulate_acc and settings.budgets[-1] == 32
+    h100 = {s.id for s, _ in evidence.next_slices(plan, {}, "NVIDIA H100 80GB HBM3")}
+    h200 = {s.id for s, _ in evidence.next_slices(plan, {}, "NVIDIA H200")}
+    assert {s.id for s in eight_b if s.card == "h100"} <= h100 and not any(
+        s.card == "h200" and s.id in h100 for s in eight_b)
+    assert {s.id for s in eight_b if s.card == "h200"} <= h200
 
 
 def test_a_slice_past_its_deadline_starts_no_cell(tmp_path, monkeypatch):

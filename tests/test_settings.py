@@ -28,7 +28,9 @@ def test_defaults():
     with pytest.raises(AttributeError):
         s.budget = 7  # frozen
     assert set(SETTINGS) == {"SGLANG_DDTREE_BUDGETS", "SGLANG_DDTREE_GRAMMAR",
-                             "SGLANG_DDTREE_GRAMMAR_FORCE", "SGLANG_DDTREE_DEBUG"}
+                             "SGLANG_DDTREE_GRAMMAR_FORCE", "SGLANG_DDTREE_DEBUG",
+                             "SGLANG_DDTREE_SIMULATE_ACC"}
+    assert s.simulate_acc == ()
 
 
 def test_every_setting_is_in_the_readme_s_table_with_its_reason():
@@ -162,3 +164,18 @@ def test_set_ups_awaiting_their_gpu_check_start_only_under_the_debug_flag(monkey
 
 def test_every_debug_flag_says_what_it_does():
     assert all(len(why) > 20 for why in DEBUG_FLAGS.values())
+
+
+def test_a_simulated_acceptance_curve_is_read_and_must_enclose_every_candidate():
+    """SGLANG_DDTREE_SIMULATE_ACC (benchmarks): budget:tau points, sorted; a bad point or a
+    candidate budget outside the curve stops the server naming the accepted values (0, no
+    speculation, needs no point: it commits one token)."""
+    curve = settings(SGLANG_DDTREE_SIMULATE_ACC="32:9.3, 7:5.9,15:8.5").simulate_acc
+    assert curve == ((7, 5.9), (15, 8.5), (32, 9.3))
+    assert settings(SGLANG_DDTREE_SIMULATE_ACC="7:5.9,32:9.3",
+                    SGLANG_DDTREE_BUDGETS="0,7").budgets == (0, 7, 32)
+    for bad in ("32", "32:x", "0:1.0", "7:9.5", "32:0.5"):
+        with pytest.raises(DDTreeConfigError, match="budget:tau points"):
+            settings(SGLANG_DDTREE_SIMULATE_ACC=bad)
+    with pytest.raises(DDTreeConfigError, match=r"not the server's candidate\(s\) \[7\]"):
+        settings(SGLANG_DDTREE_SIMULATE_ACC="15:8.5,32:9.3")

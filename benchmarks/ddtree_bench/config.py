@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -45,10 +45,11 @@ class Arm(_Strict):
                     "are taken in groups of tp, one replica per group")
     page_size: Optional[int] = Field(None, ge=1, description="this arm's KV page size (unset: "
                                      "the config's)")
-    simulate_accept: Optional[float] = Field(
-        None, ge=1, description="a speculative arm's forced mean committed tokens per step "
-        "(SGLang's SGLANG_SIMULATE_ACC_LEN, which DFLASH and DDTREE honour): serving random "
-        "weights at a published acceptance length")
+    simulate_accept: Optional[Union[float, dict[int, float]]] = Field(
+        None, description="a speculative arm's forced mean committed tokens per step, for "
+        "serving random weights at a published acceptance: one number (SGLang's "
+        "SGLANG_SIMULATE_ACC_LEN, which DFLASH and DDTREE honour), or for DDTREE a curve "
+        "{budget: tau} (SGLANG_DDTREE_SIMULATE_ACC: each step drawn at its own budget)")
 
     @model_validator(mode="after")
     def _budget_only_for_ddtree(self) -> "Arm":
@@ -57,6 +58,19 @@ class Arm(_Strict):
         if self.algorithm is None and self.simulate_accept is not None:
             raise ValueError(f"arm {self.name}: simulate_accept applies to DFLASH and DDTREE "
                              "arms only")
+        if isinstance(self.simulate_accept, dict) and self.algorithm != "DDTREE":
+            raise ValueError(f"arm {self.name}: a simulate_accept curve {{budget: tau}} applies "
+                             "to DDTREE arms only (DFLASH takes one number)")
+        if isinstance(self.simulate_accept, dict):
+            from ddtree_sglang.sglang_plugin.settings import parse_curve
+
+            try:
+                parse_curve(",".join(f"{b}:{t}" for b, t in self.simulate_accept.items()))
+            except ValueError as exc:  # DDTreeConfigError
+                raise ValueError(f"arm {self.name}: {exc}") from None
+        if isinstance(self.simulate_accept, float) and self.simulate_accept < 1:
+            raise ValueError(f"arm {self.name}: simulate_accept must be >= 1 (tokens a step "
+                             "commits)")
         from ddtree_sglang.sglang_plugin.settings import check_env
 
         for key, value in self.env.items():
@@ -146,6 +160,15 @@ class Profile(_Strict):
                            "too (CPU activity), for the CUDA runtime calls: kernel launches "
                            "outside CUDA graphs, graph replays, copies and sets per step; its "
                            "timings are not used (recording the host slows the step)")
+    host_samples: bool = Field(False, description="a third recording per cell, without the "
+                               "torch profiler: the scheduler's Python stack sampled every ~1 ms "
+                               "(ddtree_bench/host_sampler.py), for ms per step by function and "
+                               "by stage; the servers start with DDTREE_BENCH_HOST_SAMPLES=1 and "
+                               "need the bench's SGLang entry point (pip install -e benchmarks, "
+                               "or source scripts/checkout_env.sh)")
+    host_steps: int = Field(100, ge=1, description="decode steps sampled per host recording (a "
+                            "sample is ~1 ms of a step of a few ms: more steps than `steps`; "
+                            "new_tokens must outlast them)")
 
     @field_validator("batches")
     @classmethod

@@ -43,10 +43,12 @@ def expected_seconds(cfg: BenchConfig, arms: list[Arm]) -> tuple[float, list[str
             seconds = cfg.cell_seconds or cfg.min_cell_seconds
             terms.append(f"{len(cfg.concurrency)} levels x {len(arms)} arms x ({cfg.repeats} x "
                          f"({seconds:g} s + {cells.WARMUP_S:g} s) + {cells.WARMUP_S:g} s)")
-    profiles = len(arms) * len(cfg.profile.batches) * (2 if cfg.profile.launches else 1)
+    recordings = (2 if cfg.profile.launches else 1) + int(cfg.profile.host_samples)
+    profiles = len(arms) * len(cfg.profile.batches) * recordings
     if profiles:
         total += profiles * PROFILE_S
-        terms.append(f"{profiles} profiles x {PROFILE_S:g} s")
+        terms.append(f"{profiles} profiles x {PROFILE_S:g} s"
+                     + (" (host samples included)" if cfg.profile.host_samples else ""))
     return total, terms, complete
 
 

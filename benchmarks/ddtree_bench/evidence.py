@@ -29,7 +29,7 @@ import json
 import re
 import statistics
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -63,6 +63,25 @@ class SlicePlan(_Strict):
     phase: Optional[Literal[PHASES]] = None
     env: dict[str, str] = Field({}, description="environment of a phase (its knobs)")
     phase_seconds: float = Field(300, gt=0, description="a phase's expected run time")
+    shapes: Literal["testbed", "qwen3-8b"] = Field(
+        "testbed", description="the testbed pair (greedy outputs checked against plain), or "
+        "Qwen3-8B shapes: the cost mode's random-weight pair, random prompts, every "
+        "speculative arm at a simulated acceptance (`simulate`)")
+    card: Optional[str] = Field(None, description="run only on a card whose name holds this "
+                                "(h100, h200): verdicts of different cards are separate slices")
+    simulate: dict[str, Union[float, dict[int, float]]] = Field(
+        {}, description="per arm, its forced acceptance (Arm.simulate_accept: one mean, or "
+        "DDTREE's curve {budget: tau}); the null's twin takes its arm's")
+    null_server: Literal["twin", "same"] = Field(
+        "twin", description="the null: its arm on a second server (twin), or its own server "
+        "measured twice in each round (same: where the card holds no further server)")
+    mem_fraction_static: Optional[float] = Field(None, gt=0, lt=1)
+    max_total_tokens: Optional[int] = Field(None, ge=1024, description="each server's KV pool "
+                                            "(default: the plan's testbed size)")
+    prompt_len: int = Field(512, ge=1, description="qwen3-8b: random prompt tokens")
+    max_new_tokens: Optional[int] = Field(None, ge=2)
+    startup_seconds: Optional[float] = Field(None, ge=0, description="this slice's servers to "
+                                             "healthy on a cold machine (default: the plan's)")
 
     @model_validator(mode="after")
     def _shape(self) -> "SlicePlan":
@@ -70,6 +89,10 @@ class SlicePlan(_Strict):
             raise ValueError(f"slice {self.id}: serving slices need arms (or give a phase)")
         if self.phase is not None and (self.arms or self.null_arm):
             raise ValueError(f"slice {self.id}: a phase slice takes no arms and no null")
+        unknown = sorted(set(self.simulate) - set(self.arms) - {self.null_arm})
+        if unknown:
+            raise ValueError(f"slice {self.id}: simulate names arm(s) {', '.join(unknown)} "
+                             "not among its arms")
         kind_names(",".join(self.kinds))  # ValueError naming the accepted kinds
         if min(self.concurrency, default=0) < 1:
             raise ValueError(f"slice {self.id}: concurrency levels must be >= 1")
@@ -105,8 +128,14 @@ class EvidencePlan(_Strict):
             if unknown:
                 raise ValueError(f"slice {s.id}: unknown arm(s) {', '.join(unknown)}; "
                                  f"accepted: {', '.join(self.arms)}")
-            if s.arms and "plain" not in s.arms:
+            if s.arms and s.shapes == "testbed" and "plain" not in s.arms:
                 raise ValueError(f"slice {s.id}: needs the arm 'plain' (the greedy reference)")
+            unforced = [a for a in s.arms if s.shapes == "qwen3-8b" and
+                        self.arms[a].algorithm and a not in s.simulate]
+            if unforced:
+                raise ValueError(f"slice {s.id}: at Qwen3-8B shapes (random weights) every "
+                                 f"speculative arm needs its acceptance in simulate; missing: "
+                                 f"{', '.join(unforced)}")
             if s.arms and null_of(self, s) not in s.arms:
                 raise ValueError(f"slice {s.id}: needs the arm {null_of(self, s)!r} (the null "
                                  "serves it twice); add it to arms")
@@ -140,29 +169,49 @@ def load_plan(path: str | Path) -> EvidencePlan:
         raise ConfigError(f"evidence plan {p}: {describe_errors(exc)}") from None
 
 
+def _arm(plan: EvidencePlan, s: SlicePlan, name: str) -> Arm:
+    """A plan arm with the slice's forced acceptance for it, if any."""
+    arm = plan.arms[name]
+    forced = s.simulate.get(name)
+    return arm if forced is None else arm.model_copy(update=dict(simulate_accept=forced))
+
+
 def slice_arms(plan: EvidencePlan, s: SlicePlan) -> list[Arm]:
-    """A serving slice's servers: its arms, then the null's twin (`<null>-null`)."""
+    """A serving slice's measured arms: its own, then the null's twin (`<null>-null`: a
+    server of its own, or with null_server "same" the null's server measured twice)."""
     from ddtree_bench.slices import null_twin
 
-    return [plan.arms[a] for a in s.arms] + [null_twin(plan.arms[null_of(plan, s)])]
+    return [_arm(plan, s, a) for a in s.arms] + [null_twin(_arm(plan, s, null_of(plan, s)))]
+
+
+def slice_servers(plan: EvidencePlan, s: SlicePlan) -> list[Arm]:
+    """The arms that get a server of their own (the twin only with null_server "twin")."""
+    arms = slice_arms(plan, s)
+    return arms if s.null_server == "twin" else arms[:-1]
 
 
 def slice_config(plan: EvidencePlan, s: SlicePlan, root: Path,
                  levels: list[int] | None = None) -> BenchConfig:
-    """The serving config of a slice (testbed pair, all arms and the null's twin started
-    together, interleaved, fixed work)."""
-    arms = slice_arms(plan, s)
-    return BenchConfig(
-        name=f"evidence-{s.id}", arms=arms, concurrency=levels or s.concurrency,
-        endpoint="native", mem_fraction_static=plan.mem_fraction_static,
-        cuda_graph_max_bs=max(64, *s.concurrency), max_total_tokens=262144,
-        startup_group=len(arms),
+    """The serving config of a slice (all its servers started together, interleaved, fixed
+    work): the testbed pair, or at Qwen3-8B shapes the cost mode's random pair in bfloat16
+    (its weights are bfloat16) with random prompts, each server's KV and graphs sized for the
+    slice's highest concurrency."""
+    arms = slice_servers(plan, s)
+    eight_b = s.shapes == "qwen3-8b"
+    where = dict(random_weights=True, dtype="bfloat16", cost_mode=dict(prompt_len=s.prompt_len),
+                 prompts=dict(limit=256)) if eight_b else dict(
         prompts=dict(source=str(root / "testbed" / "prompts.jsonl"), limit=32),
         model_path=str(root / "testbed" / "target"),
-        draft_model_path=str(root / "testbed" / "drafter"), max_new_tokens=plan.max_new_tokens,
+        draft_model_path=str(root / "testbed" / "drafter"))
+    return BenchConfig(
+        name=f"evidence-{s.id}", arms=arms, concurrency=levels or s.concurrency,
+        endpoint="native", mem_fraction_static=s.mem_fraction_static or plan.mem_fraction_static,
+        cuda_graph_max_bs=max(s.concurrency) if eight_b else max(64, *s.concurrency),
+        max_total_tokens=s.max_total_tokens or 262144, startup_group=len(arms),
+        max_new_tokens=s.max_new_tokens or plan.max_new_tokens,
         temperature=0.0, cell_seconds=s.seconds or plan.seconds,
-        launcher_module=plan.launcher_module, startup_timeout_s=600,
-        repeats=s.rounds or plan.rounds, warmup_per_cell=True, interleave=True)
+        launcher_module=plan.launcher_module, startup_timeout_s=900 if eight_b else 600,
+        repeats=s.rounds or plan.rounds, warmup_per_cell=True, interleave=True, **where)
 
 
 # -- committed results -------------------------------------------------------------------------
@@ -349,9 +398,17 @@ def pending_levels(plan: EvidencePlan, s: SlicePlan, have: dict) -> list[int]:
     return [c for c in s.concurrency if any(have.get((s.id, k, c), 0) < want for k in s.kinds)]
 
 
-def next_slices(plan: EvidencePlan, have: dict) -> list[tuple[SlicePlan, list[int]]]:
-    """The slices still wanted, in plan order, each with the levels to run."""
-    return [(s, lv) for s in plan.slices if (lv := pending_levels(plan, s, have))]
+def on_card(s: SlicePlan, device: str | None) -> bool:
+    """Whether a slice runs on this card (None: any card, for listing)."""
+    return device is None or s.card is None or s.card.lower() in device.lower()
+
+
+def next_slices(plan: EvidencePlan, have: dict,
+                device: str | None = None) -> list[tuple[SlicePlan, list[int]]]:
+    """The slices still wanted (on `device`'s card, where given), in plan order, each with
+    the levels to run."""
+    return [(s, lv) for s in plan.slices
+            if on_card(s, device) and (lv := pending_levels(plan, s, have))]
 
 
 def estimate_seconds(plan: EvidencePlan, s: SlicePlan, levels: list[int]) -> float:
@@ -362,7 +419,8 @@ def estimate_seconds(plan: EvidencePlan, s: SlicePlan, levels: list[int]) -> flo
     from ddtree_bench.cells import cell_estimate
 
     cfg = slice_config(plan, s, Path("."), levels)
-    return plan.startup_seconds + cell_estimate(cfg, len(cfg.arms)) * len(levels) * len(s.kinds)
+    startup = plan.startup_seconds if s.startup_seconds is None else s.startup_seconds
+    return startup + cell_estimate(cfg, len(slice_arms(plan, s))) * len(levels) * len(s.kinds)
 
 
 def stamp(date: str, device: str, taken: list[str]) -> str:

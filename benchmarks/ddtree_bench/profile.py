@@ -9,7 +9,9 @@ attention path), and the gaps where the GPU waits for the host are only visible 
 Two recordings per cell: GPU activity only, for the timings (span, busy, idle, kernels), and
 with the host's activity too (`["CPU", "GPU"]`), whose CUDA runtime and driver calls give the
 launches per step (`launch_counts`); the host's recording slows the step, so the second
-recording's timings are not used.
+recording's timings are not used.  With host samples a third recording, without the torch
+profiler, samples the scheduler's Python stack (host_sampler.py): where the host's time goes
+per step, by function and by stage (`host_table`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+from ddtree_bench import host_sampler
 
 # (pattern on the kernel name, stage) - first match wins; what is left is "other".
 STAGES: list[tuple[str, str]] = [
@@ -80,13 +84,26 @@ def _stream_one(url: str, input_ids: list[int], params: dict, first: threading.E
     return n
 
 
+def read_trace(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def read_samples(path: Path) -> dict:
+    """A host samples file (host_sampler.py; written whole, by a rename)."""
+    return json.loads(path.read_text())
+
+
 def profile_under_load(url: str, prompts: list[list[int]], params: dict, bs: int,
                        trace_dir: Path, steps: int, activities: list[str],
-                       first_timeout: float = 120.0) -> list[dict]:
+                       first_timeout: float = 120.0, pattern: str = "*.trace.json.gz",
+                       read: Callable[[Path], Any] = read_trace) -> Any:
     """Keep `bs` streamed requests in flight, start the profile of `steps` forward steps once
     every one of them has streamed its first token (all past prefill: the profiled steps are
-    decode steps of the full batch), and return the events of the trace the server writes.
-    The requests must outlive the profiled steps (params' max_new_tokens)."""
+    decode steps of the full batch), and return the file the server writes (`pattern`, read
+    with `read`: by default the events of its trace).  The requests must outlive the profiled
+    steps (params' max_new_tokens)."""
     firsts = [threading.Event() for _ in range(bs)]
     with ThreadPoolExecutor(bs) as pool:
         load = [pool.submit(_stream_one, url, prompts[i % len(prompts)], params, firsts[i])
@@ -101,34 +118,37 @@ def profile_under_load(url: str, prompts: list[list[int]], params: dict, bs: int
         if failed is not None:  # a request that failed is the profile's error
             raise failed
         start_profile(url, trace_dir, steps, activities)
-        events = wait_for_trace(trace_dir, given_up=lambda: all(f.done() for f in load))
+        found = wait_for_trace(trace_dir, given_up=lambda: all(f.done() for f in load),
+                               pattern=pattern, read=read)
         for f in load:
             f.result()  # a request that failed is the profile's error too
-    return events
+    return found
 
 
 def wait_for_trace(out_dir: Path, timeout: float = 120.0,
                    given_up: Callable[[], bool] = lambda: False, grace: float = 15.0,
-                   poll: float = 0.2) -> list[dict]:
-    """The events of the trace the server writes once its profiled steps are done, read once
-    the file is whole (a gzip still being written does not parse).  `given_up()` true (the load
-    ended) and still no trace after `grace` s: the profiled steps never came."""
+                   poll: float = 0.2, pattern: str = "*.trace.json.gz",
+                   read: Callable[[Path], Any] = read_trace) -> Any:
+    """The file the server writes once its profiled steps are done (`pattern`; by default the
+    events of its trace), read once whole (a gzip still being written does not parse).
+    `given_up()` true (the load ended) and still no file after `grace` s: the profiled steps
+    never came."""
     deadline = time.time() + timeout
     ended_at = None
     while time.time() < deadline:
-        found = sorted(out_dir.glob("*.trace.json.gz"))
+        found = sorted(out_dir.glob(pattern))
         if found:
             try:
-                return read_trace(found[0])
+                return read(found[0])
             except (EOFError, OSError, ValueError):  # still being written
                 pass
         elif ended_at is None and given_up():
             ended_at = time.time()
         elif ended_at is not None and time.time() - ended_at > grace:
-            raise RuntimeError(f"the load ended before the profiled steps did (no trace in "
+            raise RuntimeError(f"the load ended before the profiled steps did (no {pattern} in "
                                f"{out_dir}): raise profile.new_tokens")
         time.sleep(poll)
-    raise TimeoutError(f"no whole *.trace.json.gz in {out_dir} after {timeout:.0f} s")
+    raise TimeoutError(f"no whole {pattern} in {out_dir} after {timeout:.0f} s")
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -221,10 +241,106 @@ def host_waits(events: list[dict], steps: int) -> dict:
         pageable_copies=round(pageable / steps, 2))
 
 
-def read_trace(path: Path) -> list[dict]:
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+def host_profile(url: str, prompts: list[list[int]], params: dict, bs: int, out_dir: Path,
+                 steps: int) -> dict:
+    """`host_table` of `steps` decode steps sampled in the server's scheduler: a /start_profile
+    with activities [HOST_SAMPLES] and no torch activity (host_sampler.py), so the torch
+    profiler stays off and the steps run as they do unobserved, but for the sampler."""
+    try:
+        samples = profile_under_load(url, prompts, params, bs, out_dir, steps,
+                                     [host_sampler.ACTIVITY], pattern=host_sampler.FILE_GLOB,
+                                     read=read_samples)
+    except (RuntimeError, TimeoutError) as exc:
+        raise type(exc)(f"{exc}; or the server samples no host: it needs "
+                        f"{host_sampler.ENV}=1 and the bench's sglang.srt.plugins entry point "
+                        "(pip install -e benchmarks, or source scripts/checkout_env.sh)") from None
+    return host_table(samples)
+
+
+def host_table(samples: dict, top: int = 40) -> dict:
+    """Reduce a host samples file to ms per decode step: the step's wall time under sampling
+    (the window / its steps), the sampler's own time, and each stage's and the `top`
+    functions' share of the window (self: innermost, with its hottest line; cumulative: the
+    function and what it calls).  A stage's or function's ms = its share of the samples x the
+    window / steps, so the stages add up to the step."""
+    steps, n = samples["steps"], samples["samples"]
+    if steps < 1 or n < 1:
+        raise ValueError(f"host samples: {n} samples over {steps} steps")
+    per = samples["window_ms"] / n / steps  # ms per step that one sample stands for
+    stages = sorted(samples["stages"].items(), key=lambda kv: -kv[1])
+    own = sorted(samples["self"].items(), key=lambda kv: -kv[1]["samples"])[:top]
+    cumulative = sorted(samples["cumulative"].items(), key=lambda kv: -kv[1])[:top]
+    return dict(
+        steps=steps, step_ms=round(samples["window_ms"] / steps, 4),
+        sampler_ms=round(samples["sampler_ms"] / steps, 4), samples_per_step=round(n / steps, 1),
+        stages={k: round(c * per, 4) for k, c in stages},
+        self=[dict(function=f, line=v["line"], ms=round(v["samples"] * per, 4)) for f, v in own],
+        cumulative=[dict(function=f, ms=round(c * per, 4)) for f, c in cumulative])
+
+
+HOST_NOTE = (
+    "Sampled in the scheduler process by ddtree_bench/host_sampler.py: a thread reads the event "
+    "loop's Python stack about every 1 ms over `host_steps` decode steps, in a recording of its "
+    "own (no torch profiler).  ms per step = share of the samples x the window / its steps; the "
+    "stages add up to the step.  Stage: the event loop's call (run_batch, process_batch_result, "
+    "...) > the speculative stage (DDTREE: the stage_span blocks of DecodeStep.run; DFLASH: the "
+    "numbered sections of DFlashWorkerV2.forward_batch_generation).  Self: the innermost Python "
+    "function, its hottest line after the colon (time in the C calls it makes, torch ops and "
+    "waits on the GPU included, is its own); cumulative: the function and what it calls, "
+    "inside the event loop.")
+
+
+def _table(head: str, cells: list[str], rows: dict[str, dict[str, str]]) -> list[str]:
+    """A markdown table: one row per key of `rows`, one column per cell ("-" where absent)."""
+    lines = [f"| {head} | " + " | ".join(cells) + " |", "|---" * (len(cells) + 1) + "|"]
+    return lines + [f"| {k} | " + " | ".join(v.get(c, "-") for c in cells) + " |"
+                    for k, v in rows.items()]
+
+
+def host_markdown(profiles: dict[str, dict], top: int = 12) -> list[str]:
+    """Per batch, the cells with host samples side by side (DFLASH beside DDTREE): ms per step
+    by stage, then the union of each cell's `top` functions by self and by cumulative time."""
+    by_batch: dict[str, list[str]] = {}
+    for c in profiles:
+        if profiles[c].get("host"):
+            by_batch.setdefault(c.rsplit("@", 1)[-1], []).append(c)
+    failed = [f"- {c}: no host samples: {p['host_error']}" for c, p in profiles.items()
+              if p.get("host_error")]
+    if not by_batch and not failed:
+        return []
+    lines = ["", "## host: where the scheduler's time goes per decode step", "", HOST_NOTE]
+    if failed:
+        lines += ["", *failed]
+    for bs, cells in by_batch.items():
+        hosts = {c: profiles[c]["host"] for c in cells}
+        head = {"**step (wall, under sampling)**": {c: str(h["step_ms"]) for c, h in hosts.items()},
+                "sampler's own time": {c: str(h["sampler_ms"]) for c, h in hosts.items()},
+                "samples per step": {c: str(h["samples_per_step"]) for c, h in hosts.items()}}
+        lines += ["", f"### batch {bs}: ms per decode step by stage", ""]
+        lines += _table("stage", cells, head | _ranked_rows(
+            {c: [(k, ms, str(ms)) for k, ms in h["stages"].items()] for c, h in hosts.items()}))
+        for kind, label in (("self", "self time"), ("cumulative", "cumulative time")):
+            lines += ["", f"### batch {bs}: top functions by {label}, ms per step", ""]
+            lines += _table("function", cells, _ranked_rows(
+                {c: [(f"`{r['function']}`", r["ms"], _ms_at_line(r)) for r in h[kind][:top]]
+                 for c, h in hosts.items()}))
+    return lines
+
+
+def _ms_at_line(row: dict) -> str:
+    """A function's ms per step, with its hottest line where the row has one (self time)."""
+    return f"{row['ms']} (:{row['line']})" if "line" in row else str(row["ms"])
+
+
+def _ranked_rows(per_cell: dict[str, list[tuple[str, float, str]]]) -> dict[str, dict[str, str]]:
+    """{row: {cell: text}} from each cell's (row, ms, text), rows by their largest ms."""
+    rows: dict[str, dict[str, str]] = {}
+    peak: dict[str, float] = {}
+    for c, entries in per_cell.items():
+        for key, ms, text in entries:
+            rows.setdefault(key, {})[c] = text
+            peak[key] = max(peak.get(key, 0.0), ms)
+    return {k: rows[k] for k in sorted(rows, key=lambda k: -peak[k])}
 
 
 def markdown(profiles: dict[str, dict], title: str) -> str:
@@ -264,4 +380,4 @@ def markdown(profiles: dict[str, dict], title: str) -> str:
                   "|---|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['stage']} | {k['calls']} | {k['ms']} |"
                   for k in profiles[c]["kernels"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + host_markdown(profiles)) + "\n"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ddtree_bench import cells, client, compare, cost_mode, profile, report
+from ddtree_bench import cells, client, compare, cost_mode, host_sampler, profile, report
 from ddtree_bench.config import (DATASETS, Arm, BenchConfig, ConfigError, describe_errors,
                                         load_config, replica_gpus)
 from ddtree_bench.server import Server, ServerSpec, stop_servers_on_sigterm
@@ -104,15 +104,21 @@ def server_spec(cfg: BenchConfig, arm: Arm, model: str, drafter: str, extra=()) 
         page_size=arm.page_size or cfg.page_size, tp_size=arm.tp,
         max_running_requests=max(cfg.cuda_graph_max_bs, *cfg.concurrency, *cfg.profile.batches),
         max_total_tokens=cfg.max_total_tokens, sleep_on_idle=cfg.startup_group > 1,
-        extra_args=list(extra), launcher_module=cfg.launcher_module, env=arm_env(arm))
+        extra_args=list(extra), launcher_module=cfg.launcher_module,
+        env=arm_env(arm) | ({host_sampler.ENV: "1"} if cfg.profile.host_samples else {}))
 
 
 def arm_env(arm: Arm) -> dict[str, str]:
     """The arm's server env: a DDTREE arm with a budget verifies it every step unless its env
     asks for the batch-aware choice (SGLANG_DDTREE_BUDGETS=auto or a list); one without a
-    budget keeps the shipped defaults; `simulate_accept` is SGLang's SGLANG_SIMULATE_ACC_LEN."""
+    budget keeps the shipped defaults; `simulate_accept` is SGLang's SGLANG_SIMULATE_ACC_LEN,
+    or DDTREE's SGLANG_DDTREE_SIMULATE_ACC where it is a curve over budgets."""
     env = dict(arm.env)
-    if arm.simulate_accept is not None:
+    if isinstance(arm.simulate_accept, dict):
+        from ddtree_sglang.sglang_plugin.settings import SIMULATE_ENV
+
+        env[SIMULATE_ENV] = ",".join(f"{b}:{t}" for b, t in sorted(arm.simulate_accept.items()))
+    elif arm.simulate_accept is not None:
         env["SGLANG_SIMULATE_ACC_LEN"] = str(arm.simulate_accept)
     if arm.algorithm != "DDTREE" or arm.budget is None:
         return env
@@ -335,7 +341,8 @@ def profile_level(url: list[str], prompts, prof, bs: int, trace_dir: Path) -> di
     """`bs` long requests in flight, `prof.steps` decode steps profiled once every request
     streams (bench/profile.py), reduced to a kernel table; with `prof.launches` a second
     profile records the host too, for the launches per step (its timings are not used: the
-    host's recording slows the step)."""
+    host's recording slows the step); with `prof.host_samples` a third samples the
+    scheduler's Python stack over `prof.host_steps` steps (the table's "host")."""
     params = dict(temperature=0.0, max_new_tokens=prof.new_tokens, ignore_eos=True)
     events = profile.profile_under_load(url[0], prompts, params, bs, trace_dir / "gpu",
                                         prof.steps, ["GPU"])
@@ -345,6 +352,12 @@ def profile_level(url: list[str], prompts, prof, bs: int, trace_dir: Path) -> di
                                             prof.steps, ["CPU", "GPU"])
         table["launches"] = profile.launch_counts(events, prof.steps)
         table["host_waits"] = profile.host_waits(events, prof.steps)
+    if prof.host_samples:
+        try:
+            table["host"] = profile.host_profile(url[0], prompts, params, bs,
+                                                 trace_dir / "host", prof.host_steps)
+        except Exception as exc:  # noqa: BLE001 - the kernel table stands without it
+            table["host_error"] = f"{type(exc).__name__}: {exc}"[:400]
     print(f"profile {trace_dir.name}: span {table['span_ms']} ms, idle {table['idle_ms']} ms, "
           f"launches {table.get('launches')}", flush=True)
     return table

@@ -50,18 +50,25 @@ def kind_params(cfg: BenchConfig, kind: str) -> dict:
 
 def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
                   save: Callable[[], None], stop_at: float | None = None,
-                  null: str | None = None, log: Callable[[str], None] = print) -> None:
+                  null: str | None = None, log: Callable[[str], None] = print,
+                  null_on_own_server: bool = False) -> None:
     """Start every arm's server together, then measure each (concurrency, kind) cell
     interleaved, appending rows (with `kind`) to results["rows"]; greedy outputs of each arm are
     compared with the reference arm's per kind.  `null`: the arm whose twin (`<null>-null`) is
     among cfg.arms; its ratio per cell goes to results["null"].  Cells that would run past
     `stop_at` (time.monotonic()) are not started and are listed in results["cells_skipped"].
     Servers that did not start go to results["failures"], those dead by the end to
-    results["not_alive_at_end"] (either fails the slice).  Logs one line per measurement and
-    one per cell."""
-    prompts = run.load_prompts(cfg)
-    spec_of = lambda a: run.server_spec(cfg, a, cfg.model_path, cfg.draft_model_path,  # noqa: E731
-                                        extra=["--constrained-json-disable-any-whitespace"])
+    results["not_alive_at_end"] (either fails the slice).  With `null_on_own_server` the twin
+    has no server of its own: the null's server is measured twice in each round.  With
+    cfg.random_weights the servers serve the cost mode's random pair and random prompts.  Logs
+    one line per measurement and one per cell."""
+    if cfg.random_weights:
+        model, drafter, prompts = run.random_inputs(cfg)
+        extra = ["--skip-tokenizer-init"]
+    else:
+        model, drafter, prompts = cfg.model_path, cfg.draft_model_path, run.load_prompts(cfg)
+        extra = ["--constrained-json-disable-any-whitespace"]
+    spec_of = lambda a: run.server_spec(cfg, a, model, drafter, extra=extra)  # noqa: E731
     t0 = time.monotonic()
     groups = run.started_groups(cfg, cfg.arms, spec_of, out)
     with closing(groups):
@@ -72,6 +79,8 @@ def measure_slice(cfg: BenchConfig, kinds: list[str], out: Path, results: dict,
             + (f"; failed: {', '.join(results['failures'])}" if results["failures"] else ""))
         live = [(arm, [s.url for s in servers], [s.log_path for s in servers])
                 for arm, servers, err in group if not err]
+        if null and null_on_own_server:  # the twin: the null's own server, measured again
+            live += [(null_twin(arm), urls, logs) for arm, urls, logs in live if arm.name == null]
         ref_url = next((u[0] for a, u, _ in live if a.name == REFERENCE_ARM), None)
         outputs: dict[str, dict[str, dict[int, list[int]]]] = {k: {} for k in kinds}
         warmed: set[str] = set()
@@ -203,14 +212,20 @@ def markdown(results: dict, preface: Sequence[str] = ()) -> str:
             "it; x DFLASH: median of the per-round time ratios [range]" if fixed else
             f"cells of >= {m['seconds']} s sustained load; x DFLASH: median of per-round tok/s "
             "ratios [range]")
-    lines = [f"# Structured output under load, {m['device']}, {m['date']}", "",
-             f"Command: `{m['command']}` (commit `{m['commit']}`). Testbed pair, greedy, "
+    pair = "Testbed pair" if m.get("shapes", "testbed") == "testbed" else (
+        "Qwen3-8B shapes (random weights, random prompts), forced acceptance "
+        + ", ".join(f"{a} {v}" for a, v in (m.get("simulate") or {}).items()))
+    lines = [f"# Serving under load, {m['device']}, {m['date']}", "",
+             f"Command: `{m['command']}` (commit `{m['commit']}`). {pair}, greedy, "
              f"`/generate`, {m['max_new_tokens']} new tokens at most, {m['rounds']} interleaved "
              f"rounds with a warm-up each; {work}; accept: accept length.", "", *preface]
     summary = results.get("null")
     if null and summary:
         noisy = summary["noisy"]
-        lines += [f"Null: `{null}` against a second server of itself (`{summary['twin']}`), "
+        against = ("its own server measured a second time in each round"
+                   if (m.get("null") or {}).get("server") == "same" else
+                   "a second server of itself")
+        lines += [f"Null: `{null}` against {against} (`{summary['twin']}`), "
                   f"median of the per-round time ratios; worst cell {summary['worst']}; "
                   + (f"**noisy (outside {NULL_BAND[0]}-{NULL_BAND[1]}): {', '.join(noisy)}** "
                      "- those cells do not count" if noisy else

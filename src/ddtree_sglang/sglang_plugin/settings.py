@@ -1,4 +1,4 @@
-"""Every DDTREE setting in one frozen object: the four SGLANG_DDTREE_* environment settings and
+"""Every DDTREE setting in one frozen object: the SGLANG_DDTREE_* environment settings and
 what the server arguments fix (the tree budget, the draft block).
 
 A user sets the budget (--speculative-num-draft-tokens, and SGLANG_DDTREE_BUDGETS for the
@@ -35,6 +35,7 @@ GRAMMAR_ENV = "SGLANG_DDTREE_GRAMMAR"
 GRAMMAR_METHODS = ("tree", "path", "auto")  # sglang_plugin/grammar_stage.py
 GRAMMAR_FORCE_ENV = "SGLANG_DDTREE_GRAMMAR_FORCE"
 DEBUG_ENV = "SGLANG_DDTREE_DEBUG"
+SIMULATE_ENV = "SGLANG_DDTREE_SIMULATE_ACC"
 # The least predicted gain the batch-aware budget acts on, and how often it explores a
 # candidate it has measured least (budget/controller.py says why; fixed by measurement).
 MIN_GAIN = 0.03
@@ -82,6 +83,24 @@ def parse_budgets(value: str, max_budget: int) -> tuple[int, ...]:
     return tuple(budgets if budgets[-1] == max_budget else budgets + [max_budget])
 
 
+def parse_curve(value: str) -> tuple[tuple[int, float], ...]:
+    """SGLANG_DDTREE_SIMULATE_ACC: empty (off, the default), or a comma list of budget:tau
+    points, a benchmark's forced mean commit length per budget (the tau of a published budget
+    plot), for serving random weights as SGLang's SGLANG_SIMULATE_ACC_LEN serves DFLASH."""
+    value = value.strip()
+    if not value:
+        return ()
+    accepted = (f"accepted: empty (off, the default) or a comma list of budget:tau points, "
+                f"budgets in 1..{MAX_BUDGET}, each tau in 1..budget + 1 (e.g. 16:8.6,32:9.3)")
+    try:
+        points = {int(b): float(t) for b, t in (x.split(":") for x in value.split(","))}
+    except ValueError:
+        raise DDTreeConfigError(f"{SIMULATE_ENV}={value!r} is not accepted; {accepted}") from None
+    if any(not 1 <= b <= MAX_BUDGET or not 1.0 <= t <= b + 1 for b, t in points.items()):
+        raise DDTreeConfigError(f"{SIMULATE_ENV}={value!r} has a point out of range; {accepted}")
+    return tuple(sorted(points.items()))
+
+
 def _choice(name: str, values: tuple[str, ...]) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value not in values:
@@ -117,6 +136,7 @@ _SETTING_LIST = (
     Setting(GRAMMAR_ENV, "tree", _choice(GRAMMAR_ENV, GRAMMAR_METHODS)),
     Setting(GRAMMAR_FORCE_ENV, "off", _choice(GRAMMAR_FORCE_ENV, ("off", "spine"))),
     Setting(DEBUG_ENV, "", parse_debug),
+    Setting(SIMULATE_ENV, "", parse_curve),
 )
 SETTINGS: dict[str, Setting] = {k.name: k for k in _SETTING_LIST}
 
@@ -191,6 +211,7 @@ class DDTreeSettings:
     grammar_method: str = "tree"  # SGLANG_DDTREE_GRAMMAR
     grammar_force: str = "off"  # SGLANG_DDTREE_GRAMMAR_FORCE
     debug: frozenset[str] = frozenset()  # SGLANG_DDTREE_DEBUG
+    simulate_acc: tuple[tuple[int, float], ...] = ()  # SGLANG_DDTREE_SIMULATE_ACC (benchmarks)
     min_gain: float = MIN_GAIN
     explore_every: int = EXPLORE_EVERY
 
@@ -240,8 +261,15 @@ class DDTreeSettings:
 
         debug = parse_debug(value(DEBUG_ENV))
         switch = "switch_budgets" in debug
-        return cls(budget=budget, block_size=block_size,
-                   budgets=parse_budgets(value(BUDGETS_ENV), budget),
+        budgets = parse_budgets(value(BUDGETS_ENV), budget)
+        curve = parse_curve(value(SIMULATE_ENV))
+        outside = [b for b in budgets if b and curve and not curve[0][0] <= b <= curve[-1][0]]
+        if outside:
+            raise DDTreeConfigError(
+                f"{SIMULATE_ENV} covers budgets {curve[0][0]}..{curve[-1][0]}, not the server's "
+                f"candidate(s) {outside} (of {list(budgets)}); accepted: a curve whose first and "
+                "last budgets enclose every candidate (an extrapolated acceptance is a guess)")
+        return cls(budget=budget, block_size=block_size, budgets=budgets, simulate_acc=curve,
                    grammar_method=value(GRAMMAR_ENV), grammar_force=value(GRAMMAR_FORCE_ENV),
                    debug=debug, min_gain=0.0 if switch else MIN_GAIN,
                    explore_every=2 if switch else EXPLORE_EVERY)

@@ -154,7 +154,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             tuple(s.budgets), max_bs=self._max_batch_size(),
             hidden_size=self.draft_model_runner.model_config.hidden_size,
             dtype=self.draft_model_runner.model_config.dtype, device=self.device,
-            simulated=sg.simulated_acceptance())
+            simulated=sg.simulated_acceptance(s.simulate_acc))
 
     def _max_batch_size(self) -> int:
         """The most requests a decode batch holds (the request pool's rows), or a captured
