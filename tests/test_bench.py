@@ -679,13 +679,13 @@ def test_dry_run_names_missing_inputs_and_the_real_run_refuses_them(tmp_path, ca
 
 
 def test_pro6000x8_config_plans_on_any_machine_by_hub_id(capsys, monkeypatch, tmp_path):
-    """configs/pro6000x8.yaml names the models by hub ID; its dry-run prints the plan here (no
-    GPU, nothing cached) and says the servers would download them; offline and uncached, the
+    """configs/pro6000x8_real.yaml names the models by hub ID; its dry-run prints the plan here
+    (no GPU, nothing cached) and says the servers would download them; offline and uncached, the
     real run is refused naming what to fetch."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    cfg = ROOT / "configs" / "pro6000x8.yaml"
+    cfg = ROOT / "configs" / "pro6000x8_real.yaml"
     assert serve_bench.main(["--config", str(cfg), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "7 arms x 8 replicas / 4 replicas of tp 2" in out
@@ -711,7 +711,8 @@ def test_a_run_without_a_usable_gpu_stops_before_starting_servers(tmp_path, caps
 def test_arms_know_tp_and_page_size_and_the_8_gpu_config_plans_tp2_pairs(tmp_path, capsys):
     """A tp arm runs one replica per group of tp GPUs (CUDA_VISIBLE_DEVICES=0,1 ...) with
     --tp-size; an arm's page size overrides the config's; a tp that does not divide the GPUs
-    is refused.  configs/pro6000x8.yaml prints eight tp = 1 replicas and four tp = 2 pairs."""
+    is refused.  configs/pro6000x8_real.yaml prints eight tp = 1 replicas and four tp = 2
+    pairs."""
     from ddtree_bench.config import ConfigError, load_config, replica_gpus
 
     assert replica_gpus([0, 1, 2, 3], 2) == ["0,1", "2,3"] and replica_gpus([5], 1) == ["5"]
@@ -724,7 +725,7 @@ def test_arms_know_tp_and_page_size_and_the_8_gpu_config_plans_tp2_pairs(tmp_pat
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--page-size") + 1] == "16"
     with pytest.raises(ConfigError, match="their tp does not divide the 3 gpus"):
         load_config(write_config(tmp_path, gpus=[0, 1, 2], arms=[{"name": "a", "tp": 2}]))
-    assert serve_bench.main(["--config", str(ROOT / "configs" / "pro6000x8.yaml"),
+    assert serve_bench.main(["--config", str(ROOT / "configs" / "pro6000x8_real.yaml"),
                              "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.count("[ddtree-b31-tp2, GPU ") == 4 and "[ddtree-b31-tp2, GPU 6,7]" in out

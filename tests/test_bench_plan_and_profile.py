@@ -134,7 +134,7 @@ def test_the_8_gpu_plan_prints_runnable_tp2_commands_and_its_duration(capsys, mo
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    assert serve_bench.main(["--config", str(ROOT / "configs" / "pro6000x8.yaml"),
+    assert serve_bench.main(["--config", str(ROOT / "configs" / "pro6000x8_real.yaml"),
                              "--dry-run"]) == 0
     out = capsys.readouterr().out
     commands = dict(_commands(out))

@@ -720,3 +720,19 @@ def test_adopt_records_a_note_on_what_the_code_that_ran_changed(tmp_path, capsys
     capsys.readouterr()
     assert evidence_cli.main(args + ["adopt", str(returned), "--note", "other"]) == 2
     assert "exists already with other files" in capsys.readouterr().err
+
+
+def test_the_8_gpu_box_serves_the_8b_verdict_s_arms_at_the_same_curve():
+    """configs/pro6000x8.yaml: the verdict's arms (plain, DFLASH, the shipped defaults, 0 among
+    the budgets) at Qwen3-8B shapes with the acceptance the evidence plan's H100 slices force,
+    concurrency 1..256: its first run is one command."""
+    plan = evidence.load_plan(ROOT / "configs" / "evidence.yaml")
+    h100 = next(s for s in plan.slices if s.id == "8b-h100-low")
+    box = load_config(ROOT / "configs" / "pro6000x8.yaml")
+    arms = {a.name: a for a in box.arms}
+    assert box.random_weights and box.concurrency == [1, 4, 16, 64, 128, 256]
+    assert set(arms) == {"plain", "dflash", "ddtree-default", "ddtree-with-0"}
+    assert arms["dflash"].simulate_accept == h100.simulate["dflash"]
+    assert arms["ddtree-default"].simulate_accept == h100.simulate["ddtree-default"]
+    assert arms["ddtree-with-0"].simulate_accept == h100.simulate["ddtree-default"]
+    assert arms["ddtree-with-0"].env == plan.arms["ddtree-with-0"].env
