@@ -327,23 +327,27 @@ def test_gpu_run_stops_its_own_servers_only():
 
 
 def test_the_8b_serving_run_forces_each_arm_s_published_acceptance():
-    """configs/serve_qwen3_8b_simulated.yaml serves the random 8B-shaped pair through the whole
-    server: each speculative arm gets SGLang's SGLANG_SIMULATE_ACC_LEN, DDTREE's budget pinned,
-    the printed commands name the random models and skip the tokenizer; a plain arm cannot
-    take a forced acceptance."""
+    """configs/pro6000x8.yaml serves the random 8B-shaped pair through the whole server: DFLASH
+    gets SGLang's SGLANG_SIMULATE_ACC_LEN, each DDTREE arm its curve over budgets
+    (SGLANG_DDTREE_SIMULATE_ACC) with its budgets left to the batch-aware choice; the printed
+    commands name the random models and skip the tokenizer; a plain arm cannot take a forced
+    acceptance, nor DFLASH a curve."""
     import pytest
 
     from ddtree_bench.config import Arm, load_config
     from ddtree_bench.dry_run import plan
     from ddtree_bench.run import arm_env
 
-    cfg = load_config(ROOT / "configs" / "serve_qwen3_8b_simulated.yaml")
+    cfg = load_config(ROOT / "configs" / "pro6000x8.yaml")
     env = {a.name: arm_env(a) for a in cfg.arms}
     assert env["dflash"] == {"SGLANG_SIMULATE_ACC_LEN": "7.79"}
-    assert env["ddtree-b32"] == {"SGLANG_DDTREE_BUDGETS": "off", "SGLANG_SIMULATE_ACC_LEN": "9.3"}
-    assert env["ddtree-b32-or-plain"]["SGLANG_DDTREE_BUDGETS"] == "0"
+    assert env["ddtree-default"] == {"SGLANG_DDTREE_SIMULATE_ACC":
+                                     "7:6.0,15:8.5,16:8.6,32:9.3,64:9.75,128:10.2,256:10.4,512:10.7"}
+    assert env["ddtree-with-0"]["SGLANG_DDTREE_BUDGETS"] == "0,7,15"
     text = plan(cfg, None)
     assert "qwen3_8b_random" in text and "--skip-tokenizer-init" in text
     assert "testbed/target" not in text
     with pytest.raises(ValueError, match="simulate_accept applies to DFLASH and DDTREE"):
         Arm(name="p", simulate_accept=4.0)
+    with pytest.raises(ValueError, match="applies to DDTREE arms only"):
+        Arm(name="d", algorithm="DFLASH", simulate_accept={7: 5.0})

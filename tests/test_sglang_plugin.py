@@ -139,6 +139,31 @@ def test_gated_delta_hybrids_start_only_for_their_gpu_check(tmp_path, monkeypatc
         validate(server_args(**{**base, "model_path": str(mamba)}))
 
 
+def test_text_only_qwen3_5_targets_are_refused_with_sglang_s_reason(tmp_path, monkeypatch):
+    """A text-only Qwen3.5 checkpoint (Qwen3_5ForCausalLM) is a gated-delta hybrid SGLang 0.5.17
+    serves without capturing the drafter's target features, so DFLASH and DDTREE cannot run on
+    it: refused even under SGLANG_DDTREE_DEBUG=unchecked, naming the checkpoints that work.
+    The reason is SGLang's: its classes still lack set_dflash_layers_to_capture."""
+    import importlib
+
+    from ddtree_sglang.sglang_plugin.server_args import (NO_FEATURE_CAPTURE, DDTreeConfigError,
+                                                         validate)
+
+    for arch, path in NO_FEATURE_CAPTURE.items():
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert not hasattr(getattr(module, arch), "set_dflash_layers_to_capture"), arch
+    text = tmp_path / "qwen3_5_text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"],
+                                                  "model_type": "qwen3_5_text"}))
+    monkeypatch.setenv("SGLANG_DDTREE_DEBUG", "unchecked")
+    with pytest.raises(DDTreeConfigError, match="serves Qwen3_5ForCausalLM without capturing.*"
+                                                "accepted: the Qwen3.5 / 3.6 vision-language"):
+        validate(server_args(device="cuda", speculative_draft_model_path=str(DRAFTER),
+                             speculative_num_draft_tokens=33, attention_backend="triton",
+                             page_size=1, model_path=str(text)))
+
+
 def test_validation_rules_without_sglang_pipeline(tmp_path):
     """dp-attention, tp>1 and hybrid targets (the pipeline rejects some of these earlier)."""
     from ddtree_sglang.sglang_plugin.server_args import DDTreeConfigError, validate

@@ -208,13 +208,28 @@ def gdn_hybrid(hf: dict) -> bool:
     return any(str(cfg.get("model_type", "")).lower() in GDN_HYBRID_MODEL_TYPES for cfg in texts)
 
 
+# Target classes of SGLang 0.5.17 that cannot hand a DFlash drafter the target's features (no
+# set_dflash_layers_to_capture): the text-only Qwen3.5 classes of models/qwen3_5_text.py
+# (a test checks that SGLang's classes still lack it).
+NO_FEATURE_CAPTURE = {"Qwen3_5ForCausalLM": "sglang/srt/models/qwen3_5_text.py",
+                      "Qwen3_5MoeForCausalLM": "sglang/srt/models/qwen3_5_text.py"}
+
+
 def _hybrid_errors(args: Any, hf: dict, unchecked: bool) -> list[str]:
     """A hybrid target: gated-delta ones are implemented and start under
     SGLANG_DDTREE_DEBUG=unchecked (for their GPU check), without the state-pool options whose
-    verify is chain-only; other recurrent layers are refused."""
+    verify is chain-only; text-only Qwen3.5 checkpoints, whose SGLang class captures no drafter
+    features, and other recurrent layers are refused."""
+    arch = next(iter(hf.get("architectures") or []), "")
     reason = hybrid_reason(hf)
-    if reason is None:
+    if reason is None and arch not in NO_FEATURE_CAPTURE:
         return []
+    if arch in NO_FEATURE_CAPTURE:
+        return [f"DDTREE (like DFLASH) needs the target's hidden states for its drafter, and "
+                f"SGLang {NO_FEATURE_CAPTURE[arch]} serves {arch} without capturing them (no "
+                "set_dflash_layers_to_capture); accepted: the Qwen3.5 / 3.6 vision-language "
+                "checkpoints (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditional"
+                "Generation) and Qwen3-Next"]
     if not gdn_hybrid(hf):
         return [f"DDTREE does not support this hybrid target ({reason}); accepted: "
                 "full-attention targets, and gated-delta hybrids (Qwen3.5, Qwen3.6, Qwen3-Next) "
