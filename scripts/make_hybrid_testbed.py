@@ -3,6 +3,12 @@ testbed pair, with no download and no GPU:
 
     python scripts/make_hybrid_testbed.py --source testbed --out testbed_hybrid --eval
 
+testbed_hybrid/ ships without the target's weights, its tokenizer.json and the links (11 MB,
+kept out of git so that the working tree travels to a GPU machine): `--restore` writes them from
+the settings its made_with.json records, then checks every written file against the sha256
+recorded there (tests/gpu/e2e_server.py runs it before serving a generated testbed; the tests
+build one per session the same way).
+
 The target (--arch qwen3_next, the default) is a Qwen3-Next model (Qwen3NextForCausalLM: served
 by SGLang 0.5.17's qwen3_next.py, which captures the drafter's features, loaded by transformers
 5.x) of 2L layers, gated-delta and full attention alternating (full_attention_interval 2).  Its
@@ -31,6 +37,7 @@ No tree-masked target pass is needed, which a recurrent layer cannot take in tra
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -45,7 +52,10 @@ from ddtree_sglang.cli import CliError, Parser, non_negative_float, positive_int
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json")
 ARCHS = ("qwen3_next", "qwen3_5")
+LINKS = ("drafter/model.safetensors", "prompts.jsonl")  # the source pair's files, same paths
 SHARED_EXPERT = 16  # the switched-off shared expert's width (Qwen3-Next has one per layer)
+# what made_with.json records and --restore builds from
+SETTINGS = ("arch", "linear_scale", "seed", "linear_heads", "linear_dims")
 
 
 def hybrid_config(src, arch: str, linear_heads: tuple[int, int], linear_dims: tuple[int, int]):
@@ -102,6 +112,21 @@ def carry_mlp(mlp, src_mlp) -> None:
 
 
 @torch.no_grad()
+def draw_random(model, seed: int) -> None:
+    """The weights transformers draws at random, drawn again from the script's own generator in
+    name order (matrices normal(0, initializer_range), A_log the log of uniform(0.01, 16)), so
+    that the bytes do not depend on how a transformers version initializes (5.17 draws A_log
+    from another range than 5.12); the constant ones (norms, dt_bias) are transformers'."""
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, w in sorted(model.named_parameters()):
+        if w.dim() >= 2:
+            w.copy_(torch.randn(w.shape, generator=gen) * std)
+        elif name.endswith(".A_log"):
+            w.copy_(torch.empty(w.shape).uniform_(0.01, 16, generator=gen).log())
+
+
+@torch.no_grad()
 def carry_over(src_model, model) -> None:
     """The source layers into the odd (full attention) layers, exactly; the even (gated-delta)
     layers keep their random token mixer, their MLP zero."""
@@ -141,8 +166,8 @@ def build(source: Path, arch: str, linear_scale: float, seed: int,
 
     src = AutoModelForCausalLM.from_pretrained(source / "target", dtype=torch.float32).eval()
     cfg = hybrid_config(src.config, arch, linear_heads, linear_dims)
-    torch.manual_seed(seed)
     model = (Qwen3NextForCausalLM if arch == "qwen3_next" else Qwen3_5ForCausalLM)(cfg).eval()
+    draw_random(model, seed)
     carry_over(src, model)
     outs = [layer.linear_attn.out_proj.weight for layer in model.model.layers[::2]]
     drawn = [w.detach().clone() for w in outs]
@@ -178,6 +203,7 @@ def write(out: Path, source: Path, model) -> None:
     raw = json.loads(cfg_file.read_text())
     raw.update(partial_rotary_factor=1.0, full_attention_interval=2,
                rope_theta=raw.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    raw.pop("transformers_version", None)  # the same bytes whichever version wrote them
     cfg_file.write_text(json.dumps(raw, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (source / "target" / name).is_file():
@@ -186,11 +212,58 @@ def write(out: Path, source: Path, model) -> None:
     drafter.mkdir(parents=True, exist_ok=True)
     (drafter / "config.json").write_text(json.dumps(
         drafter_config(source, model.config.num_hidden_layers), indent=2) + "\n")
-    for link, real in ((drafter / "model.safetensors", source / "drafter" / "model.safetensors"),
-                       (out / "prompts.jsonl", source / "prompts.jsonl")):
+    for name in LINKS:
+        link, real = out / name, source / name
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(os.path.relpath(real.resolve(), link.parent.resolve()))
+
+
+def generate(source: Path, out: Path, settings: dict) -> tuple:
+    """Build and write the testbed for `settings` (the SETTINGS keys): the one path from the
+    settings to the bytes, for a new testbed and a restored one; (source target, hybrid
+    target, the ids its logits were checked on)."""
+    check = torch.randint(4, 4000, (200,), generator=torch.Generator().manual_seed(0))
+    src, model = build(source, settings["arch"], settings["linear_scale"], settings["seed"],
+                       tuple(settings["linear_heads"]), tuple(settings["linear_dims"]), check)
+    write(out, source, model)
+    return src, model, check
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def digests(out: Path) -> dict[str, str]:
+    """sha256 of each file the script writes, by its path under `out` (the links are left out:
+    they are the source pair's files)."""
+    return {p.relative_to(out).as_posix(): sha256(p) for folder in ("target", "drafter")
+            for p in sorted((out / folder).iterdir()) if p.is_file() and not p.is_symlink()}
+
+
+def restore(out: Path, source: Path) -> None:
+    """Write `out`'s files and links from the settings its made_with.json records when any is
+    missing (made_with.json untouched), then refuse unless every file is the recorded bytes:
+    another torch may draw other random layers."""
+    record_file = out / "made_with.json"
+    if not record_file.is_file():
+        raise CliError(f"--restore: no {record_file} (the record to rebuild from)")
+    record = json.loads(record_file.read_text())
+    recorded = record.get("sha256") or {}
+    if not recorded:
+        raise CliError(f"--restore: {record_file} records no sha256 (made before --restore)")
+    built = not all((out / name).is_file() for name in (*recorded, *LINKS))
+    if built:
+        generate(source, out, record)
+    bad = [name for name, digest in recorded.items()
+           if not (out / name).is_file() or sha256(out / name) != digest]
+    if bad:
+        import transformers
+
+        why = (f"torch {torch.__version__} / transformers {transformers.__version__} write other "
+               "bytes" if built else "delete them to rebuild")
+        raise CliError(f"--restore: {out}: {', '.join(bad)} not the bytes {record_file} records "
+                       f"(sha256): {why}")
 
 
 # -- acceptance ------------------------------------------------------------------------------
@@ -295,21 +368,26 @@ def main() -> None:
     ap.add_argument("--prompts", type=positive_int, default=16)
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)
     ap.add_argument("--budgets", type=positive_int_list, default=[8, 32])
+    ap.add_argument("--restore", action="store_true",
+                    help="write OUT's files from the settings OUT/made_with.json records if any "
+                    "is missing, check them against its sha256 (the other settings are unused)")
     args = ap.parse_args()
     if len(args.linear_heads) != 2 or len(args.linear_dims) != 2:
         raise CliError("--linear-heads and --linear-dims take two numbers each")
     if not (args.source / "target" / "config.json").is_file():
         raise CliError(f"--source {args.source}: no target/config.json (the shipped pair is "
                        "testbed/)")
-    check = torch.randint(4, 4000, (200,), generator=torch.Generator().manual_seed(0))
-    src, model = build(args.source, args.arch, args.linear_scale, args.seed,
-                       tuple(args.linear_heads), tuple(args.linear_dims), check)
-    write(args.out, args.source, model)
-    summary = dict(arch=args.arch, linear_scale=args.linear_scale, seed=args.seed,
-                   linear_heads=args.linear_heads, linear_dims=args.linear_dims,
+    if args.restore:
+        restore(args.out, args.source)
+        print(f"{args.out}: the files made_with.json records (sha256 checked)")
+        return
+    settings = {name: getattr(args, name) for name in SETTINGS}
+    src, model, check = generate(args.source, args.out, settings)
+    written = digests(args.out)
+    summary = dict(**settings,
                    max_logit_change_vs_source=round(max_logit_gap(src, model, check), 3),
-                   bytes=sum(f.stat().st_size for f in args.out.rglob("*")
-                             if f.is_file() and not f.is_symlink()))
+                   bytes=sum((args.out / name).stat().st_size for name in written),
+                   sha256=written)
     if args.eval:
         summary |= dict(prompts=args.prompts, max_new_tokens=args.max_new_tokens)
         summary |= evaluate(args.source, model, src, args.out / "drafter", args.prompts,

@@ -1,9 +1,11 @@
 import importlib.util
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -38,6 +40,28 @@ def server_args(**fields):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+HYBRID = ROOT / "testbed_hybrid"
+
+
+@pytest.fixture(scope="session")
+def make_hybrid() -> ModuleType:
+    """scripts/make_hybrid_testbed.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("make_hybrid_testbed",
+                                                  ROOT / "scripts" / "make_hybrid_testbed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def hybrid_testbed(make_hybrid, tmp_path_factory) -> Path:
+    """testbed_hybrid/ as the script's --restore writes it from the tracked made_with.json,
+    built once a session in a temporary folder (its weights are not tracked): every session
+    checks that the script still writes the recorded bytes, as the GPU runs require."""
+    out = tmp_path_factory.mktemp("testbed_hybrid")
+    shutil.copy(HYBRID / "made_with.json", out)
+    make_hybrid.restore(out, ROOT / "testbed")
+    return out
 
 
 def refused_launch_command() -> tuple[list[str], dict]:

@@ -453,11 +453,7 @@ if __name__ == "__main__":
     print("HYBRID KERNELS OK", interpreted_check())
 
 
-HYBRID_TESTBED = Path(__file__).resolve().parents[1] / "testbed_hybrid"
-
-
-@pytest.mark.skipif(not HYBRID_TESTBED.is_dir(), reason="no testbed_hybrid/ in this checkout")
-def test_sglang_reads_the_hybrid_testbed_as_a_gated_delta_target():
+def test_sglang_reads_the_hybrid_testbed_as_a_gated_delta_target(hybrid_testbed):
     """SGLang's own config class and model class for testbed_hybrid/target: a Qwen3-Next
     model whose gated-delta layers sit where transformers puts them (SGLang places them by
     full_attention_interval, not layer_types), with the rotary and expert settings the
@@ -470,7 +466,7 @@ def test_sglang_reads_the_hybrid_testbed_as_a_gated_delta_target():
     from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     from sglang.srt.models.qwen3_next import EntryClass
 
-    raw = json.loads((HYBRID_TESTBED / "target" / "config.json").read_text())
+    raw = json.loads((hybrid_testbed / "target" / "config.json").read_text())
     cfg = Qwen3NextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     kinds = raw["layer_types"]
     assert cfg.full_attention_layer_ids == [i for i, k in enumerate(kinds) if k == "full_attention"]
@@ -481,7 +477,7 @@ def test_sglang_reads_the_hybrid_testbed_as_a_gated_delta_target():
     assert EntryClass.__name__ == raw["architectures"][0]
     assert hasattr(EntryClass, "set_dflash_layers_to_capture")
     assert hybrid_gdn_config(SimpleNamespace(hf_config=cfg)) is cfg
-    with safe_open(str(HYBRID_TESTBED / "target" / "model.safetensors"), "pt") as f:
+    with safe_open(str(hybrid_testbed / "target" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "lm_head.weight" in names
     assert {n.split(".", 3)[3] for n in names if n.startswith("model.layers.0.")} >= {

@@ -11,13 +11,15 @@ log-likelihood (mean NLL of the sampled tokens vs mean entropy at those position
 concurrent requests of different lengths (greedy, T=1, top-p, top-k, min-p, frequency and
 repetition penalties); n=2 through /v1/completions; a logprob request is refused with a message and the
 server stays up; after /flush_cache the KV pool holds no tokens.  Prints a table last and writes
-e2e.json under --out.
+e2e.json under --out.  A generated testbed (--testbed testbed_hybrid) gets its untracked weights
+written first, checked against its made_with.json; a gated-delta target is served in bfloat16.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,28 @@ from ddtree_bench.server import (Server, ServerSpec, get_json, post_json,  # noq
 from ddtree_sglang.reference.testbed import encode_prompt, read_prompts  # noqa: E402
 
 
+def restore_generated(testbed: Path) -> None:
+    """A generated testbed (one with a made_with.json: testbed_hybrid/) travels without its
+    weights and tokenizer.json (untracked, 11 MB): write them before anything reads them, and
+    stop, the script's one-line error last, unless they are the recorded bytes."""
+    if not (testbed / "made_with.json").is_file():
+        return
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_hybrid_testbed.py"),
+                           "--source", str(ROOT / "testbed"), "--out", str(testbed),
+                           "--restore"])
+    if done.returncode:
+        sys.exit(done.returncode)
+
+
+def serving_dtype(target: Path) -> str:
+    """bfloat16 for a gated-delta hybrid target, else float16: in float16 plain SGLang 0.5.17
+    itself fails to start on one (its _causal_conv1d_fn_triton does not compile: "Mismatched
+    type for col0 between then block (bf16) and else block (fp16)"; fixed in SGLang 0.5.20,
+    #38039)."""
+    layers = json.loads((target / "config.json").read_text()).get("layer_types") or []
+    return "bfloat16" if "linear_attention" in layers else "float16"
+
+
 def load_prompts(tok, path: Path, limit: int) -> list[list[int]]:
     return [encode_prompt(tok, r) for r in read_prompts(path)[:limit]]
 
@@ -47,7 +71,7 @@ def generate(url: str, prompts: list[list[int]], params: list[dict], workers: in
 
 def check_arm(server: Server, t_launch: float, prompts, max_new: int) -> dict:
     """All request-level checks of one arm; the server was launched at `t_launch`."""
-    res: dict = {"arm": server.spec.name}
+    res: dict = {"arm": server.spec.name, "dtype": server.spec.dtype}
     try:
         server.wait_healthy(timeout=max(60.0, 480 - (time.time() - t_launch)))
     except Exception as exc:  # noqa: BLE001 - report and go on with the other arms
@@ -161,9 +185,11 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
+    restore_generated(args.testbed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target, drafter = str(args.testbed / "target"), str(args.testbed / "drafter")
+    dtype = serving_dtype(args.testbed / "target")
     tok = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(tok, args.testbed / "prompts.jsonl", args.prompts)
     specs = {
@@ -213,7 +239,7 @@ def main() -> None:
     servers = []
     for name in args.arms.split(","):
         spec = specs[name]
-        spec.max_total_tokens, spec.sleep_on_idle = 200_000, True
+        spec.max_total_tokens, spec.sleep_on_idle, spec.dtype = 200_000, True, dtype
         servers.append(Server(spec, args.out / f"server_{name}.log",
                               env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}))
     t_launch = time.time()
