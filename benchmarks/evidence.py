@@ -103,11 +103,21 @@ def log_errors(root: Path) -> dict[str, str]:
     return found
 
 
+def restore_hybrid_testbed() -> None:
+    """testbed_hybrid/ travels without its generated weights: written and checked against its
+    made_with.json before a server reads them (scripts/make_hybrid_testbed.py --restore)."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_hybrid_testbed.py"), "--source",
+                    str(ROOT / "testbed"), "--out", str(ROOT / "testbed_hybrid"), "--restore"],
+                   check=True)
+
+
 def run_serving(plan, s, levels, folder: Path, stop_at: float) -> dict:
     cfg = evidence.slice_config(plan, s, ROOT, levels)
     results = dict(meta=_meta(s, plan, levels), rows=[], greedy_vs_plain={}, failures={})
     save = lambda: (folder / evidence.RESULT_FILE).write_text(json.dumps(results, indent=1))  # noqa: E731
     try:
+        if s.shapes == "hybrid-testbed":
+            restore_hybrid_testbed()
         slices.measure_slice(cfg, s.kinds, folder, results, save, stop_at=stop_at,
                              null=evidence.null_of(plan, s),
                              null_on_own_server=s.null_server == "same")

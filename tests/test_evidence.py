@@ -286,8 +286,10 @@ def test_the_shipped_plan_is_valid_and_every_phase_and_config_exists():
                 names = [a.name for a in (run.cost_arms(cfg) if cfg.cost_mode.enabled
                                           else cfg.arms)]
                 assert set(s.env.get("ARMS", ",".join(names)).split(",")) <= set(names)
-        else:  # every serving slice serves the shipped defaults twice and its first level fits
-            assert evidence.null_of(plan, s) == "ddtree-default" and "ddtree-default" in s.arms
+        else:  # every serving slice serves the shipped defaults twice (on the hybrid testbed:
+            # the defaults with the opt-in hybrids need) and its first level fits
+            null = "ddtree-hybrid" if s.shapes == "hybrid-testbed" else "ddtree-default"
+            assert evidence.null_of(plan, s) == null and null in s.arms
             assert evidence.estimate_seconds(plan, s, s.concurrency[:1]) < plan.call_seconds
     assert "evidence)" in script
     profiles = {s.id: s for s in plan.slices if s.phase == "profile"}
@@ -736,3 +738,19 @@ def test_the_8_gpu_box_serves_the_8b_verdict_s_arms_at_the_same_curve():
     assert arms["ddtree-default"].simulate_accept == h100.simulate["ddtree-default"]
     assert arms["ddtree-with-0"].simulate_accept == h100.simulate["ddtree-default"]
     assert arms["ddtree-with-0"].env == plan.arms["ddtree-with-0"].env
+
+
+def test_the_hybrid_speed_slice_serves_the_hybrid_testbed_in_bfloat16():
+    """Issue 57's speed slice: plain, DFLASH and DDTREE (started under unchecked until the
+    hybrid e2e counts) on testbed_hybrid/ in bfloat16, DDTREE served twice for the null; the
+    runner writes the testbed's generated files first (run_serving)."""
+    plan = evidence.load_plan(ROOT / "configs" / "evidence.yaml")
+    s = next(x for x in plan.slices if x.id == "hybrid-speed")
+    cfg = evidence.slice_config(plan, s, ROOT)
+    assert cfg.model_path == str(ROOT / "testbed_hybrid" / "target") and cfg.dtype == "bfloat16"
+    assert cfg.draft_model_path == str(ROOT / "testbed_hybrid" / "drafter")
+    assert [a.name for a in cfg.arms] == ["plain", "dflash", "ddtree-hybrid",
+                                          "ddtree-hybrid-null"]
+    assert cfg.arms[2].env == {"SGLANG_DDTREE_DEBUG": "unchecked"} and cfg.concurrency == [1, 16,
+                                                                                            64]
+    assert "restore_hybrid_testbed()" in (ROOT / "benchmarks" / "evidence.py").read_text()

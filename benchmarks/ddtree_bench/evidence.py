@@ -63,10 +63,11 @@ class SlicePlan(_Strict):
     phase: Optional[Literal[PHASES]] = None
     env: dict[str, str] = Field({}, description="environment of a phase (its knobs)")
     phase_seconds: float = Field(300, gt=0, description="a phase's expected run time")
-    shapes: Literal["testbed", "qwen3-8b"] = Field(
-        "testbed", description="the testbed pair (greedy outputs checked against plain), or "
-        "Qwen3-8B shapes: the cost mode's random-weight pair, random prompts, every "
-        "speculative arm at a simulated acceptance (`simulate`)")
+    shapes: Literal["testbed", "hybrid-testbed", "qwen3-8b"] = Field(
+        "testbed", description="the testbed pair (greedy outputs checked against plain), the "
+        "hybrid testbed (testbed_hybrid/: gated-delta layers, bfloat16, written on the machine "
+        "and checked), or Qwen3-8B shapes: the cost mode's random-weight pair, random prompts, "
+        "every speculative arm at a simulated acceptance (`simulate`)")
     card: Optional[str] = Field(None, description="run only on a card whose name holds this "
                                 "(h100, h200): verdicts of different cards are separate slices")
     simulate: dict[str, Union[float, dict[int, float]]] = Field(
@@ -128,7 +129,7 @@ class EvidencePlan(_Strict):
             if unknown:
                 raise ValueError(f"slice {s.id}: unknown arm(s) {', '.join(unknown)}; "
                                  f"accepted: {', '.join(self.arms)}")
-            if s.arms and s.shapes == "testbed" and "plain" not in s.arms:
+            if s.arms and s.shapes != "qwen3-8b" and "plain" not in s.arms:
                 raise ValueError(f"slice {s.id}: needs the arm 'plain' (the greedy reference)")
             unforced = [a for a in s.arms if s.shapes == "qwen3-8b" and
                         self.arms[a].algorithm and a not in s.simulate]
@@ -198,11 +199,13 @@ def slice_config(plan: EvidencePlan, s: SlicePlan, root: Path,
     slice's highest concurrency."""
     arms = slice_servers(plan, s)
     eight_b = s.shapes == "qwen3-8b"
+    pair = root / ("testbed_hybrid" if s.shapes == "hybrid-testbed" else "testbed")
     where = dict(random_weights=True, dtype="bfloat16", cost_mode=dict(prompt_len=s.prompt_len),
                  prompts=dict(limit=256)) if eight_b else dict(
         prompts=dict(source=str(root / "testbed" / "prompts.jsonl"), limit=32),
-        model_path=str(root / "testbed" / "target"),
-        draft_model_path=str(root / "testbed" / "drafter"))
+        model_path=str(pair / "target"), draft_model_path=str(pair / "drafter"),
+        # gated-delta layers need bfloat16 in SGLang 0.5.17 (tests/gpu/e2e_server.py says why)
+        dtype="bfloat16" if s.shapes == "hybrid-testbed" else "float16")
     return BenchConfig(
         name=f"evidence-{s.id}", arms=arms, concurrency=levels or s.concurrency,
         endpoint="native", mem_fraction_static=s.mem_fraction_static or plan.mem_fraction_static,
