@@ -66,6 +66,7 @@ save_triton_cache() {
     return 0
 }
 pack() { [ -d "$1/logs" ] && tar czf "$1/logs.tgz" -C "$1" logs && rm -rf "$1/logs"; }
+rc=  # a phase's exit status: its check's or benchmark's, never the log packing's
 case "${1:-}" in
   tree)  timeout "$LIMIT" python benchmarks/tree_build.py --out "$OUT/tree_build_h200.json" \
              --batches 1,8,32,64 --budgets 16,32,64,128,256 --iters 100 --heap-reps 2 ;;
@@ -76,33 +77,34 @@ case "${1:-}" in
              --batches 1,8,32,64 --budgets 16,32,64,128,256 --iters 50 --heap-reps 1 | tail -24
          timeout 250 python benchmarks/verify_attention.py --out "$OUT/verify_attention.json" | tail -24 ;;
   e2e)   timeout "$LIMIT" python tests/gpu/e2e_server.py --out "$OUT/e2e" ${E2E_ARGS:-} \
-             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton,plain_flashinfer}
+             --arms ${ARMS:-ddtree_triton,ddtree_b15auto,ddtree_single,ddtree_flashinfer,plain_triton,plain_flashinfer}; rc=$?
          mkdir -p "$OUT/e2e/logs" && mv "$OUT"/e2e/server_*.log "$OUT/e2e/logs/" 2>/dev/null; pack "$OUT/e2e" ;;
   features) timeout "$LIMIT" python tests/gpu/features.py --out "$OUT/features" ${SECTIONS:+--sections $SECTIONS} \
-             ${DDTREE_ENV:+--ddtree-env $DDTREE_ENV}
+             ${DDTREE_ENV:+--ddtree-env $DDTREE_ENV}; rc=$?
          mkdir -p "$OUT/features/logs" && mv "$OUT"/features/server_*.log "$OUT/features/logs/" 2>/dev/null; pack "$OUT/features" ;;
-  grammar) timeout "$LIMIT" python benchmarks/grammar_serve.py --out "$OUT/grammar" ${GRAMMAR_ARGS:-}
+  grammar) timeout "$LIMIT" python benchmarks/grammar_serve.py --out "$OUT/grammar" ${GRAMMAR_ARGS:-}; rc=$?
          pack "$OUT/grammar" ;;
-  rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}
+  rel)   timeout "$LIMIT" python tests/gpu/reliability.py --out "$OUT/rel" ${PHASES:+--phases $PHASES}; rc=$?
          mkdir -p "$OUT/rel/logs" && mv "$OUT"/rel/server_*.log "$OUT/rel/logs/" 2>/dev/null; pack "$OUT/rel" ;;
-  bench) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out "$OUT/bench"
+  bench) timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/h200_testbed.yaml --out "$OUT/bench"; rc=$?
          pack "$OUT/bench" ;;
   cost)  timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_cost_qwen3_8b.yaml} \
-             --out "$OUT/cost" ${ARMS:+--arms $ARMS}
+             --out "$OUT/cost" ${ARMS:+--arms $ARMS}; rc=$?
          pack "$OUT/cost" ;;
   profile) timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/h200_profile_qwen3_8b.yaml} \
-             --out "$OUT/profile" ${ARMS:+--arms $ARMS}
+             --out "$OUT/profile" ${ARMS:+--arms $ARMS}; rc=$?
          rm -rf "$OUT/profile/traces"; pack "$OUT/profile" ;;
   auto)  timeout "$LIMIT" python benchmarks/serve_bench.py --config ${CONFIG:-configs/testbed_verdict.yaml} \
              --out "$OUT/auto" ${ARMS:+--arms $ARMS} ${CONC:+--concurrency $CONC} \
-             ${GRAPH_BS:+--cuda-graph-max-bs $GRAPH_BS}
+             ${GRAPH_BS:+--cuda-graph-max-bs $GRAPH_BS}; rc=$?
          pack "$OUT/auto" ;;
   evidence) timeout "$LIMIT" python benchmarks/evidence.py run --out "$OUT" \
              --seconds "${EVIDENCE_SECONDS:-520}" ${ONLY:+--only $ONLY} ;;
-  pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"
+  pair)  timeout "$LIMIT" python benchmarks/serve_bench.py --config configs/two_replicas_one_gpu.yaml --out "$OUT/pair"; rc=$?
          pack "$OUT/pair" ;;
   *)     echo "usage: bash scripts/gpu_run.sh micro|tree|kernel|e2e|features|grammar|rel|bench|cost|profile|auto|evidence|pair" >&2; exit 2 ;;
 esac
-rc=$?
+last=$?
+rc=${rc:-$last}
 save_triton_cache
 exit $rc

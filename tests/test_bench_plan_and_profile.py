@@ -351,3 +351,23 @@ def test_the_8b_serving_run_forces_each_arm_s_published_acceptance():
         Arm(name="p", simulate_accept=4.0)
     with pytest.raises(ValueError, match="applies to DDTREE arms only"):
         Arm(name="d", algorithm="DFLASH", simulate_accept={7: 5.0})
+
+
+def test_a_phase_exits_with_its_check_s_status_not_the_log_packing_s(tmp_path):
+    """scripts/gpu_run.sh e2e: a check that fails (exit 3) makes the phase fail with 3, though
+    the log packing after it succeeds (the evidence runner reads this status)."""
+    import os
+    import stat
+    import subprocess
+
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "case \"$1\" in tests/gpu/e2e_server.py) mkdir -p \"$OUT/e2e\"; exit 3;; "
+                    "esac\nexit 0\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               HOME=str(tmp_path))
+    done = subprocess.run(["bash", "scripts/gpu_run.sh", "e2e"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
