@@ -14,6 +14,7 @@ import pytest
 
 from ddtree_bench import evidence, run, slices
 from ddtree_bench.config import ConfigError, load_config
+from test_server_log import CRASH_LOG, ROOT_CAUSE
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -486,32 +487,8 @@ def test_a_slice_past_its_deadline_starts_no_cell(tmp_path, monkeypatch):
 
 # -- failed slices: a dead arm, request errors, a traceback, a leak -----------------------------
 
-ROOT_CAUSE = "AttributeError: 'NoneType' object has no attribute 'req_to_token'"
-# What a DDTREE server printed when it died at startup at 5333599: the scheduler's traceback,
-# then the launcher's own
-STARTUP_CRASH = f"""[2026-12-07 14:02:10] Load weight end. elapsed=0.01 s, type=DFlashDraftModel
-[2026-12-07 14:02:11] Scheduler hit an exception: Traceback (most recent call last):
-  File "/tmp/sglang-site/sglang/srt/managers/scheduler.py", line 4931, in run_scheduler_process
-    scheduler = Scheduler(
-                ^^^^^^^^^^
-  File "src/ddtree_sglang/sglang_plugin/worker.py", line 68, in __init__
-    tuple(s.budgets), max_bs=self._max_batch_size(),
-                             ^^^^^^^^^^^^^^^^^^^^^^
-  File "src/ddtree_sglang/sglang_plugin/worker.py", line 152, in _max_batch_size
-    return max(int(self.model_runner.req_to_token_pool.req_to_token.shape[0]), int(graphs))
-                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
-{ROOT_CAUSE}
-
-[2026-12-07 14:02:11] Received sigquit from a child process. It usually means the child failed.
-Traceback (most recent call last):
-  File "/tmp/sglang-site/sglang/srt/entrypoints/engine.py", line 1703, in _launch_subprocesses
-EOFError
-
-During handling of the above exception, another exception occurred:
-
-RuntimeError: Initialization failed. Please see the error messages above.
-[2026-12-07 14:02:16] kill_process_tree called: parent_pid=3329, include_parent=True
-"""
+# What a DDTREE server printed when it died at startup at 5333599 (test_server_log's sample)
+STARTUP_CRASH = CRASH_LOG
 CUDA_CRASH = "RuntimeError: CUDA error: an illegal memory access was encountered"
 LOAD_CRASH = f"""[2026-12-07 15:29:02] Decode batch, #running-req: 32, #token: 9000, accept len: 3.1
 [2026-12-07 15:29:02] Scheduler hit an exception: Traceback (most recent call last):
