@@ -421,16 +421,68 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
 
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
-    observed, clock = [], []
-    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a)),
-                  clock=SimpleNamespace(end=lambda: clock.append("end")))
+    observed = []
+    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a)))
     commit_lens = torch.tensor([2, 3])
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
     accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
     w.end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
-    assert observed == [(2, 5, "probs", commit_lens)] and clock == ["end"]
+    assert observed == [(2, 5, "probs", commit_lens)]
     assert out.customized_info == {"ddtree_budget": [5, 5]}
+
+
+class Marks:
+    """A host clock (host_timing.StageClock's calls) that lists what it was told."""
+
+    def __init__(self) -> None:
+        self.told: list = []
+
+    def start(self, bs: int) -> None:
+        self.told.append(("start", bs))
+
+    def mark(self, stage: str) -> None:
+        self.told.append(stage)
+
+    def end(self) -> None:
+        self.told.append("end")
+
+
+def one_step(w, trace: bool = False):
+    """A whole greedy step of make_batch() on fixed drafter states and target logits, through
+    the profiler's spans where `trace` (a torch profiler records)."""
+    batch = make_batch()
+    w.io.hidden = torch.randn(2, BLOCK, H, generator=torch.Generator().manual_seed(4))
+    w.io.verify_out = SimpleNamespace(
+        next_token_logits=torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(5)),
+        hidden_states=torch.randn(2 * (B + 1), H), customized_info=None)
+    if not trace:
+        return w.run(batch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = w.run(batch)
+    return result, {e.name for e in prof.events()}
+
+
+def test_an_observed_step_is_the_step_inside_spans_and_clock_marks():
+    """With the host clock on, or while a profiler records, the step runs its stages through
+    run_observed: the same result, the clock marking the four stages, and a trace naming
+    them (SGLang's spans); unobserved, no span is entered."""
+    plain = one_step(make_step())
+    marks = Marks()
+    timed = one_step(make_step(clock=marks))
+    assert marks.told == [("start", 2), "draft + tree", "verify", "sample + accept", "commit",
+                          "end"]
+    traced, names = one_step(make_step(), trace=True)
+    assert {"ddtree_draft_tree", "ddtree_verify", "ddtree_sample_accept",
+            "ddtree_commit"} <= names
+    for result in (timed, traced):
+        assert torch.equal(result.next_token_ids, plain.next_token_ids)
+        assert torch.equal(result.accept_lens, plain.accept_lens)
+    spans = []
+    w = make_step()
+    w.run_observed = lambda *a: spans.append(a)
+    one_step(w)
+    assert spans == []
 
 
 class EvenMatcher:

@@ -474,14 +474,14 @@ def count_calls(rig: Rig, bs: int, window: int, top: int = 20) -> dict:
 
 def count_ops(rig: Rig, bs: int, window: int) -> dict:
     """aten ops (views among them) and stood-in launches per step over `window` steps, by op,
-    and DDTREE's ops by stage (the last step's)."""
-    from ddtree_sglang.sglang_plugin.host_timing import NoClock
-
+    and DDTREE's ops by stage: the window's last step runs with the stage clock on (through
+    DecodeStep.run_observed, the same tensor ops as the default path), the others as the
+    worker runs them (no clock)."""
     counter, clock = rig.counter, StageTimes(rig.counter)
-    if rig.step is not None:
-        rig.step.clock = clock
     counter.reset()
-    for _ in range(window):
+    for i in range(window):
+        if rig.step is not None:
+            rig.step.clock = clock if i == window - 1 else None
         batch = make_batch(rig.worker, bs)
         with counter:
             rig.worker.forward_batch_generation(batch)
@@ -490,7 +490,7 @@ def count_ops(rig: Rig, bs: int, window: int) -> dict:
                ops_by_name={k: v / window for k, v in counter.by_op.most_common()})
     if rig.step is not None:
         out["stage_ops"] = clock.ops[-1]
-        rig.step.clock = NoClock()  # as the worker builds it
+        rig.step.clock = None  # as the worker builds it
     return out
 
 

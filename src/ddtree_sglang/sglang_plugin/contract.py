@@ -244,6 +244,14 @@ SOURCE_LINES: dict[str, tuple[str, str]] = {
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase._replay_metadata":
         ("if forward_mode.is_target_verify() and self.topk > 1:",
          "the replayed verify fills the tree-link buffers"),
+    # DDTREE's stage spans are entered only while a torch profiler records
+    # (sglang_api.spans_recorded): SGLang's spec stage span asks for no NVTX range, and its
+    # profile_range emits a span only while the profiler records
+    "sglang.srt.speculative.spec_utils.spec_stage_span":
+        ("return profile_range(name)", "a stage span is a profile range without NVTX"),
+    "sglang.srt.utils.nvtx_utils.profile_range":
+        ("record = torch.autograd._profiler_enabled()",
+         "a profile range records only under a torch profiler"),
     "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update":
         ("HAS_EAGLE_TREE_CUSTOM_ATTN_MASK=retrieve_next_token is not None,",
          "the conv kernel scans each node's path from the links"),

@@ -1,8 +1,8 @@
 """The DDTREE decode step: DFLASH's block draft turned into a tree, verified in one target pass.
 
-`DecodeStep.run` begins (the batch's one change, the budget for this batch, the step clock),
-runs four stages over the records of step_records.py, the verify inside its width's runtime
-(`verify_runtime`), and ends (the budget's observation, the clock):
+`DecodeStep.run` begins (the batch's one change, the budget for this batch), runs four stages
+over the records of step_records.py, the verify inside its width's runtime (`verify_runtime`),
+and ends (the budget's observation):
 
   draft and tree    the block [bonus, MASK x (bs-1)] through the drafter once; its CUDA graph
                     ends in the tree stage (graphed_stages.TreeStage): the drafter's full
@@ -26,8 +26,10 @@ runs four stages over the records of step_records.py, the verify inside its widt
                     off the same node logits when asked.
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
-target's top-K per node (greedy) or each depth's draws (sampled).  Each stage runs inside
-SGLang's profiler span of its name, so a trace names it.  The step reaches the models and
+target's top-K per node (greedy) or each depth's draws (sampled).  While a profiler records
+(SGLang's spans), each stage runs inside SGLang's profiler span of its name, so a trace names
+it, and the host clock (SGLANG_DDTREE_DEBUG=host_timing) marks the stages when on: both through
+`DecodeStep.run_observed`, so a step nobody observes does neither.  The step reaches the models and
 DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captures its graphs.
 """
 
@@ -93,38 +95,63 @@ class DecodeStep:
     """One DDTREE decode step over a running batch, built from what it uses: the settings,
     the vocabulary size, the model I/O, the tree and accept stages (graphed by startup), the
     penalty and grammar-cost state kept across steps, the batch-aware budget (None: B pinned)
-    and the host clock."""
+    and the host clock (None: off)."""
 
     def __init__(self, settings: DDTreeSettings, vocab_size: int, io: ModelIO,
                  stages: GraphedStages, penalties: PenaltyState, mask_costs: MaskCosts,
                  serving_budget: ServingBudget | None = None,
-                 clock: StageClock | NoClock | None = None) -> None:
+                 clock: StageClock | None = None) -> None:
         self.settings, self.vocab_size, self.io, self.stages = settings, vocab_size, io, stages
         self.penalties, self.mask_costs, self.serving_budget = penalties, mask_costs, serving_budget
-        self.clock = clock or NoClock()
+        self.clock = clock
         self.depth, self.out_width = settings.depth, settings.block_size
 
     def run(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
-        """The decode step: its four stages in order, each taking the records before it."""
+        """The decode step: its four stages in order, each taking the records before it.  Where
+        a profiler records or the host clock is on, `run_observed` runs the same stages (the
+        profiler check is one builtin call; the `# stage:` comments name the stages for
+        benchmarks/ddtree_bench/host_sampler.py)."""
+        if self.clock is not None or sg.spans_recorded():
+            return self.run_observed(batch, on_publish, grammar_barrier)
+        plan = self.begin_step(batch)
+        # stage: ddtree_draft_tree
+        tree = self.draft_tree(batch, plan, grammar_barrier)
+        # stage: ddtree_verify
+        with self.verify_runtime(plan.width):
+            verified = self.verify(batch, plan, tree, grammar_barrier)
+        # stage: ddtree_sample_accept
+        accepted = self.sample_and_accept(batch, plan, tree, verified)
+        # stage: ddtree_commit
+        result = self.commit(batch, plan, tree, verified, accepted, on_publish)
+        # stage: none
+        self.end_step(plan, tree, verified, accepted)
+        return result
+
+    def run_observed(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
+        """`run` with each stage inside SGLang's profiler span of its name (so that a trace
+        names DDTREE's stages) and the host clock's marks between them (host_timing.py)."""
+        clock = self.clock or NoClock()
+        clock.start(len(batch.seq_lens))
         plan = self.begin_step(batch)
         with sg.stage_span("ddtree_draft_tree"):
             tree = self.draft_tree(batch, plan, grammar_barrier)
-        self.clock.mark("draft + tree")
+        clock.mark("draft + tree")
         with self.verify_runtime(plan.width), sg.stage_span("ddtree_verify"):
             verified = self.verify(batch, plan, tree, grammar_barrier)
-        self.clock.mark("verify")
+        clock.mark("verify")
         with sg.stage_span("ddtree_sample_accept"):
             accepted = self.sample_and_accept(batch, plan, tree, verified)
-        self.clock.mark("sample + accept")
+        clock.mark("sample + accept")
         with sg.stage_span("ddtree_commit"):
             result = self.commit(batch, plan, tree, verified, accepted, on_publish)
-        self.clock.mark("commit")
+        clock.mark("commit")
         self.end_step(plan, tree, verified, accepted)
+        clock.end()
         return result
 
     def begin_step(self, batch) -> StepPlan:
         """The step's plan (batch size, budget, the relay state it starts from); starts the
-        step clock and the budget controller's step.  The one place the step itself changes
+        budget controller's step.  The one place the step itself changes
         the batch it is given: seq_lens clamped (below).  Two more writes happen where SGLang's
         conventions put them, each through patches.py: its verify preparation's fields
         (model_io.DFlashModelIO.target_verify; no stage reads them back: the tree's KV slots
@@ -136,7 +163,6 @@ class DecodeStep:
         if batch.seq_lens.is_cuda:  # made on the scheduler's stream, used on this one
             batch.seq_lens.record_stream(torch.cuda.current_stream())
         bs = len(batch.seq_lens)
-        self.clock.start(bs)
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
         # request is never clamped.  (The KV reservation is always the largest width's.)
@@ -150,13 +176,12 @@ class DecodeStep:
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
         """The budget controller learns what the step committed (and each request's budget
-        is reported when traced); the step clock stops."""
+        is reported when traced)."""
         if self.serving_budget is not None:
             self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
                                           accepted.commit.commit_lens)
             patches.report_per_request(verified.logits_output, "ddtree_budget",
                                        [plan.budget] * plan.bs)
-        self.clock.end()
 
     @contextmanager
     def verify_runtime(self, width: int):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
+
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.merge_state import merge_state_triton
 from sglang.kernels.ops.speculative.dflash import (
@@ -103,9 +105,15 @@ def simulated_commit_len(mean: float, max_len: int) -> int:
 
 
 def stage_span(name: str):
-    """SGLang's profiler span of a speculative stage (a shared no-op unless a profiler or NVTX
-    is on), so that a trace names DDTREE's stages."""
+    """SGLang's profiler span of a speculative stage (a shared no-op unless a profiler
+    records), so that a trace names DDTREE's stages."""
     return spec_stage_span(name)
+
+
+# Whether SGLang's stage spans record: spec_stage_span is profile_range without NVTX, which
+# emits a span only while a torch profiler records, as this builtin says (contract.SOURCE_LINES
+# holds both lines); a builtin, so the step checks it without a Python call.
+spans_recorded = torch.autograd._profiler_enabled
 
 
 def detect_nan(tensor, what: str) -> None:
@@ -237,8 +245,6 @@ def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:
     """Milliseconds per replay of each captured verify graph, by batch size, or None when the
     runner's graphs are not plain full CUDA graphs.  Run at startup only (it synchronises):
     the replays reuse the capture's own static inputs, so they touch only the padding slot."""
-    import torch
-
     backend = getattr(runner, "backend", None)
     if type(backend) is not FullCudaGraphBackend:
         return None
