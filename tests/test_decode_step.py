@@ -241,6 +241,22 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     assert runner.attn_backend == "configured backend"  # restored on failure too
 
 
+def test_the_verify_logits_checks_follow_sglang_s_switch_at_startup(monkeypatch):
+    """SGLang's NaN / Inf checks run on the verify logits when SGLANG_ENABLE_ASYNC_ASSERT is
+    on where the step is built, and are not even called when it is off."""
+    checked = []
+    monkeypatch.setattr(sg, "detect_nan", lambda tensor, what: checked.append(what))
+    batch = make_batch()
+    tree = DraftedTree(layout=None, depth_probs=None, grammar_tree=None)
+    for on in (False, True):
+        monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", "1" if on else "0")
+        w = make_step()
+        monkeypatch.delenv("SGLANG_ENABLE_ASYNC_ASSERT")
+        w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
+        w.verify(batch, plan_of(batch), tree, None)
+        assert checked == (["DDTREE verify logits"] if on else []), on
+
+
 class EvenTokens:
     """A grammar mask allowing even token ids only (SGLang's GrammarMask.apply contract)."""
 

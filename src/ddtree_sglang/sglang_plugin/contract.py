@@ -165,6 +165,7 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.spec_utils.spec_stage_span": ("name",),
     "sglang.srt.utils.async_probe.maybe_detect_nan": ("tensor", "msg"),
     "sglang.srt.utils.async_probe.maybe_detect_inf": ("tensor", "msg"),
+    "sglang.srt.environ.envs.SGLANG_ENABLE_ASYNC_ASSERT": (),
     "sglang.srt.speculative.spec_utils.traverse_tree":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens", "grammar",
          "allocate_token_bitmask", "vocab_size"),
@@ -252,6 +253,12 @@ SOURCE_LINES: dict[str, tuple[str, str]] = {
     "sglang.srt.utils.nvtx_utils.profile_range":
         ("record = torch.autograd._profiler_enabled()",
          "a profile range records only under a torch profiler"),
+    # the step decides once at startup whether it runs SGLang's NaN / Inf checks on the
+    # verify logits (sglang_api.async_asserts_on): both are off unless this switch is on
+    "sglang.srt.utils.async_probe.maybe_detect_nan":
+        ("if not envs.SGLANG_ENABLE_ASYNC_ASSERT.get():", "the NaN check is off unless asked"),
+    "sglang.srt.utils.async_probe.maybe_detect_inf":
+        ("if not envs.SGLANG_ENABLE_ASYNC_ASSERT.get():", "the Inf check is off unless asked"),
     "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update":
         ("HAS_EAGLE_TREE_CUSTOM_ATTN_MASK=retrieve_next_token is not None,",
          "the conv kernel scans each node's path from the links"),

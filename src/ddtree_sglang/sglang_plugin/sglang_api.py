@@ -25,6 +25,7 @@ from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attenti
 from sglang.srt.constrained.base_grammar_backend import GrammarMask
 from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
 from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -116,9 +117,16 @@ def stage_span(name: str):
 spans_recorded = torch.autograd._profiler_enabled
 
 
+def async_asserts_on() -> bool:
+    """SGLang's switch for its asynchronous asserts and NaN / Inf checks
+    (SGLANG_ENABLE_ASYNC_ASSERT; contract.SOURCE_LINES holds that the checks ask it): read
+    once at startup, so a step with the checks off does not read the environment."""
+    return bool(envs.SGLANG_ENABLE_ASYNC_ASSERT.get())
+
+
 def detect_nan(tensor, what: str) -> None:
     """SGLang's asynchronous NaN and Inf checks (no host wait; on only under
-    SGLANG_ENABLE_ASYNC_ASSERT), as EAGLE runs them on its logits."""
+    SGLANG_ENABLE_ASYNC_ASSERT, see async_asserts_on), as EAGLE runs them on its logits."""
     maybe_detect_nan(tensor, what)
     maybe_detect_inf(tensor, what)
 
