@@ -121,7 +121,7 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
     w = make_step(serving_budget=SimpleNamespace(
-        choose=lambda bs: 3 + bs, start_step=lambda bs, b: calls.append((bs, b))))
+        choose=lambda bs: 3 + bs, start_step=lambda bs, b: calls.append((bs, b)), runtimes={}))
     assert w.begin_step(make_batch()).budget == 5 and calls == [(2, 5)]
     stale = make_batch()
     stale.spec_info = object()
@@ -207,7 +207,11 @@ def test_a_tree_from_the_draft_graph_s_tail_is_the_eager_tree():
 
 
 def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
-    serving_budget = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
+    """A narrower width of the batch-aware budget verifies through its own runtime, the
+    configured one restored after (also when the verify fails), and reports the backend that
+    ran it; the configured width (B + 1) verifies through the target's runtime untouched."""
+    serving_budget = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs"),
+                                               B + 1: ("built backend", "built graphs")})
     w = make_step(serving_budget=serving_budget)
     runner = w.io.target_runner
     w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
@@ -222,21 +226,24 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
     barrier = []
     batch = make_batch()
-    with w.verify_runtime(6):
-        out = w.verify(batch, plan_of(batch, 5), tree, lambda: barrier.append(1))
+    out = w.verify(batch, plan_of(batch, 5), tree, lambda: barrier.append(1))
     assert w.io.calls == [("verify", ("narrow backend", "narrow graphs"))]
     assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
                                                                       "configured graphs")
     assert out.grammar_step == "grammar step" and out.out_cache_loc == "slots"
     assert out.forward_batch == "verify batch" and out.can_run_graph
+    assert out.attn_backend == "narrow backend"
     assert barrier == [1]
     assert built[0] == dict(tree="tree copy", width=6, method="tree", costs=w.mask_costs)
+    out = w.verify(batch, plan_of(batch), tree, lambda: barrier.append(1))
+    assert w.io.calls[-1] == ("verify", ("configured backend", "configured graphs"))
+    assert out.attn_backend == "configured backend"
 
     def broken(*a):
         raise RuntimeError("verify failed")
 
     w.io.target_verify = broken
-    with pytest.raises(RuntimeError, match="verify failed"), w.verify_runtime(6):
+    with pytest.raises(RuntimeError, match="verify failed"):
         w.verify(batch, plan_of(batch, 5), tree, None)
     assert runner.attn_backend == "configured backend"  # restored on failure too
 
@@ -412,8 +419,8 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
     w.io.verify_out = SimpleNamespace(next_token_logits=logits.clone(), hidden_states=feats,
                                       customized_info=None)
     runtimes = []
-    verify_runtime = w.verify_runtime
-    w.verify_runtime = lambda width: runtimes.append(width) or verify_runtime(width)
+    verify = w.verify
+    w.verify = lambda batch, plan, *a: runtimes.append(plan.width) or verify(batch, plan, *a)
     seq = batch.seq_lens.clone()
     mask_buffer = torch.zeros(2 * (B + 1) * (64 + B + 1), dtype=torch.uint8)
     w.stages.tree.set_mask_targets({B + 1: (mask_buffer, 4)})
@@ -438,7 +445,8 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
     observed = []
-    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a)))
+    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a),
+                                                 runtimes={}))
     commit_lens = torch.tensor([2, 3])
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)

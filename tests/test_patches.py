@@ -651,21 +651,32 @@ def test_batch_lengths(patches):
     assert batch.seq_lens_cpu is host and batch.seq_lens_sum == 47
 
 
-def test_the_verify_input_and_host_bound_on_the_batch(patches):
-    """verify_on_batch leaves the verify input on the batch (as DFLASH does) and holds the
-    step's host bound only inside the block, restoring the batch's own after, also when the
-    block fails."""
+def test_the_verify_input_and_host_bound_on_the_batch(patches, monkeypatch):
+    """prepare_verify_on_batch leaves the verify input on the batch (as DFLASH does) and holds
+    the step's host bound only while EAGLE's preparation runs, restoring the batch's own
+    after, also when the preparation fails."""
     from types import SimpleNamespace
 
+    from ddtree_sglang.sglang_plugin import sglang_api as sg
+
+    seen = []
+
+    def prepare(verify_input, pool, batch, worker):
+        seen.append((verify_input, pool, worker, batch.spec_info, batch.seq_lens_cpu,
+                     batch.seq_lens_sum))
+        if verify_input == "again":
+            raise KeyError("prepare failed")
+        return "forward batch", True
+
+    monkeypatch.setattr(sg, "eagle_prepare_for_verify", prepare)
     batch = SimpleNamespace(spec_info="relay", seq_lens_cpu="host lens", seq_lens_sum=10)
-    with patches.verify_on_batch(batch, "verify input", "bound", 99):
-        assert (batch.spec_info, batch.seq_lens_cpu, batch.seq_lens_sum) == \
-            ("verify input", "bound", 99)
+    assert patches.prepare_verify_on_batch(batch, "verify input", "bound", 99, "pool",
+                                           "worker") == ("forward batch", True)
+    assert seen == [("verify input", "pool", "worker", "verify input", "bound", 99)]
     assert (batch.spec_info, batch.seq_lens_cpu, batch.seq_lens_sum) == \
         ("verify input", "host lens", 10)
     with pytest.raises(KeyError):
-        with patches.verify_on_batch(batch, "again", "bound", 99):
-            raise KeyError("prepare failed")
+        patches.prepare_verify_on_batch(batch, "again", "bound", 99, "pool", "worker")
     assert (batch.seq_lens_cpu, batch.seq_lens_sum) == ("host lens", 10)
 
 

@@ -1,8 +1,8 @@
 """The DDTREE decode step: DFLASH's block draft turned into a tree, verified in one target pass.
 
 `DecodeStep.run` begins (the batch's one change, the budget for this batch), runs four stages
-over the records of step_records.py, the verify inside its width's runtime (`verify_runtime`),
-and ends (the budget's observation):
+over the records of step_records.py, the verify through its width's runtime, and ends (the
+budget's observation):
 
   draft and tree    the block [bonus, MASK x (bs-1)] through the drafter once; its CUDA graph
                     ends in the tree stage (graphed_stages.TreeStage): the drafter's full
@@ -35,7 +35,6 @@ DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captur
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -105,6 +104,10 @@ class DecodeStep:
         self.penalties, self.mask_costs, self.serving_budget = penalties, mask_costs, serving_budget
         self.clock = clock
         self.check_logits = sg.async_asserts_on()  # SGLang's NaN / Inf checks, decided once
+        # The batch-aware budget's narrower widths verify through their own runtimes (the
+        # configured width, its largest, through the target's as it is).
+        self.narrow_runtimes = {} if serving_budget is None else {
+            w: r for w, r in serving_budget.runtimes.items() if w != settings.verify_width}
         self.depth, self.out_width = settings.depth, settings.block_size
 
     def run(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
@@ -118,8 +121,7 @@ class DecodeStep:
         # stage: ddtree_draft_tree
         tree = self.draft_tree(batch, plan, grammar_barrier)
         # stage: ddtree_verify
-        with self.verify_runtime(plan.width):
-            verified = self.verify(batch, plan, tree, grammar_barrier)
+        verified = self.verify(batch, plan, tree, grammar_barrier)
         # stage: ddtree_sample_accept
         accepted = self.sample_and_accept(batch, plan, tree, verified)
         # stage: ddtree_commit
@@ -137,7 +139,7 @@ class DecodeStep:
         with sg.stage_span("ddtree_draft_tree"):
             tree = self.draft_tree(batch, plan, grammar_barrier)
         clock.mark("draft + tree")
-        with self.verify_runtime(plan.width), sg.stage_span("ddtree_verify"):
+        with sg.stage_span("ddtree_verify"):
             verified = self.verify(batch, plan, tree, grammar_barrier)
         clock.mark("verify")
         with sg.stage_span("ddtree_sample_accept"):
@@ -184,20 +186,6 @@ class DecodeStep:
             patches.report_per_request(verified.logits_output, "ddtree_budget",
                                        [plan.budget] * plan.bs)
 
-    @contextmanager
-    def verify_runtime(self, width: int):
-        """The target verifies through `width`'s attention backend and CUDA graphs (the
-        batch-aware budget's), and everything else through the configured width's again
-        afterwards, also when the verify fails."""
-        runner = self.io.target_runner
-        configured = sg.verify_runtime(runner)
-        if self.serving_budget is not None:
-            patches.set_verify_runtime(runner, self.serving_budget.runtimes[width])
-        try:
-            yield
-        finally:
-            patches.set_verify_runtime(runner, configured)
-
     def draft_tree(self, batch, plan: StepPlan, grammar_barrier=None) -> DraftedTree:
         """One drafter pass over [bonus, MASK...] for every request, whose CUDA graph ends in
         the tree stage (a budget of 0 drafts nothing: the roots alone, plain decoding through
@@ -231,12 +219,24 @@ class DecodeStep:
                            mask_positions=out.mask_positions.get(plan.width))
 
     def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
-        """The target's pass over every tree node (through the runtime the pipeline set, see
-        verify_runtime), and the grammar's part of the step, built on the host while that
-        pass runs."""
-        logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
-            batch, plan.draft_input, tree.layout, tree.mask_positions,
-            self.stages.tree.mask_buffer(plan.width, plan.bs))
+        """The target's pass over every tree node, and the grammar's part of the step, built
+        on the host while that pass runs.  A narrower width of the batch-aware budget verifies
+        through its own attention backend and CUDA graphs, the configured ones restored after
+        the pass, also when it fails; the configured width verifies through the target's
+        runtime as it is."""
+        runner = self.io.target_runner
+        runtime = self.narrow_runtimes.get(plan.width)
+        if runtime is not None:
+            configured = sg.verify_runtime(runner)
+            patches.set_verify_runtime(runner, runtime)
+        try:
+            logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
+                batch, plan.draft_input, tree.layout, tree.mask_positions,
+                self.stages.tree.mask_buffer(plan.width, plan.bs))
+            backend = runner.attn_backend  # the one that ran this verify
+        finally:
+            if runtime is not None:
+                patches.set_verify_runtime(runner, configured)
         if self.check_logits:
             sg.detect_nan(logits_output.next_token_logits, "DDTREE verify logits")
         grammar_step = None
@@ -246,8 +246,7 @@ class DecodeStep:
                                          self.settings.grammar_method, self.mask_costs)
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=forward_batch, can_run_graph=can_run_graph,
-                        grammar_step=grammar_step, out_cache_loc=slots,
-                        attn_backend=self.io.target_runner.attn_backend)
+                        grammar_step=grammar_step, out_cache_loc=slots, attn_backend=backend)
 
     def sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
                           verified: Verified) -> Accepted:

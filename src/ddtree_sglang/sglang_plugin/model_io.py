@@ -150,10 +150,9 @@ class DFlashModelIO:
             retrieve_next_sibling=layout.retrieve_next_sibling, retrieve_cum_len=None,
             spec_steps=self.block_size - 1, topk=1, draft_token_num=n,
             capture_hidden_mode=sg.CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
-        with patches.verify_on_batch(batch, verify_input, seq_lens_cpu, seq_lens_sum):
-            forward_batch, can_run_graph = sg.eagle_prepare_for_verify(
-                verify_input, self.worker.model_runner.req_to_token_pool, batch,
-                self.worker.target_worker)
+        forward_batch, can_run_graph = patches.prepare_verify_on_batch(
+            batch, verify_input, seq_lens_cpu, seq_lens_sum,
+            self.worker.model_runner.req_to_token_pool, self.worker.target_worker)
         out = self.worker.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True)
         return out.logits_output, forward_batch, can_run_graph, batch.out_cache_loc
