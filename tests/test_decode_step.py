@@ -487,6 +487,44 @@ def one_step(w, trace: bool = False):
     return result, {e.name for e in prof.events()}
 
 
+class Untouchable(list):
+    """A batch's requests that must not be looked at."""
+
+    def __iter__(self):
+        raise AssertionError("a request was looked at")
+
+    def __getitem__(self, i):
+        raise AssertionError("a request was looked at")
+
+
+def greedy_sampling_info(bs: int):
+    """SGLang's sampling info of greedy requests without penalties, as a forward gets it
+    (copy_for_forward: no penalizer orchestrator, no accumulated penalties)."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    return SamplingBatchInfo(
+        temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs),
+        top_ks=torch.ones(bs, dtype=torch.int32), min_ps=torch.zeros(bs), is_all_greedy=True,
+        is_any_greedy=True, need_top_p_sampling=False, need_top_k_sampling=False,
+        need_min_p_sampling=False, vocab_size=V, device="cpu")
+
+
+def test_a_greedy_batch_without_penalties_looks_at_no_request():
+    """Where SGLang's sampling info says the batch is greedy and uses no penalty, the step
+    neither scans the requests for penalties nor for seeds, and commits what a step that
+    scans them (no sampling info) commits."""
+    scanned = one_step(make_step())
+    w = make_step()
+    batch = make_batch(reqs=Untouchable(), sampling_info=greedy_sampling_info(2))
+    w.io.hidden = torch.randn(2, BLOCK, H, generator=torch.Generator().manual_seed(4))
+    w.io.verify_out = SimpleNamespace(
+        next_token_logits=torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(5)),
+        hidden_states=torch.randn(2 * (B + 1), H), customized_info=None)
+    result = w.run(batch)
+    assert torch.equal(result.next_token_ids, scanned.next_token_ids)
+    assert torch.equal(result.accept_lens, scanned.accept_lens)
+
+
 def test_an_observed_step_is_the_step_inside_spans_and_clock_marks():
     """With the host clock on, or while a profiler records, the step runs its stages through
     run_observed: the same result, the clock marking the four stages, and a trace naming

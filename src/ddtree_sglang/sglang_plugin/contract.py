@@ -259,6 +259,14 @@ SOURCE_LINES: dict[str, tuple[str, str]] = {
         ("if not envs.SGLANG_ENABLE_ASYNC_ASSERT.get():", "the NaN check is off unless asked"),
     "sglang.srt.utils.async_probe.maybe_detect_inf":
         ("if not envs.SGLANG_ENABLE_ASYNC_ASSERT.get():", "the Inf check is off unless asked"),
+    # a batch without penalties is known from its sampling info alone
+    # (request_state.may_use_penalties): the forward's copy has no orchestrator and carries
+    # the accumulated penalties, set exactly when the orchestrator requires them
+    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.copy_for_forward":
+        ("self.update_penalties()", "a forward's sampling info carries the batch's penalties"),
+    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.update_penalties":
+        ("if self.penalizer_orchestrator.is_required:",
+         "the accumulated penalties exist exactly when the penalizers are required"),
     "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update":
         ("HAS_EAGLE_TREE_CUSTOM_ATTN_MASK=retrieve_next_token is not None,",
          "the conv kernel scans each node's path from the links"),
@@ -304,7 +312,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo":
         ("is_all_greedy", "temperatures", "top_ks", "top_ps", "min_ps",
          "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling", "vocab_size",
-         "grammar_mask"),
+         "grammar_mask", "penalizer_orchestrator", "acc_additive_penalties"),
+    "sglang.srt.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator": ("is_required",),
     "sglang.srt.sampling.sampling_params.SamplingParams":
         ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
          "stop_token_ids", "sampling_seed", "max_new_tokens"),

@@ -258,17 +258,20 @@ class DecodeStep:
         grammar_step = verified.grammar_step
         if grammar_step is not None and grammar_step.mask is not None:
             grammar_step.mask.apply(logits)
-        penalties = self.penalties.params(batch.reqs)
+        si = batch.sampling_info
+        penalties = self.penalties.params(batch.reqs, si)
         if penalties is not None:
             counts, out_len = self.penalties.rows_of(batch.req_pool_indices)
             penalise_nodes(logits.view(bs, n, -1)[..., : self.vocab_size], counts, out_len,
                            penalties, lay.draft_tokens.view(bs, n), lay.tree_parents,
                            lay.tree_depths, self.depth)
         sg.apply_dflash_verify_logits_adjustments(
-            next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
-        seeds = request_seeds(batch.reqs, logits.device)
+            next_token_logits=logits, sampling_info=si, draft_token_num=n)
+        # seeds only steer draws: a greedy batch takes the argmax, whatever its seeds
+        seeds = None if si is None or si.is_all_greedy else request_seeds(batch.reqs,
+                                                                          logits.device)
         choice_in, verify_slots = self.stages.accept.inputs(bs, n)
-        choice = sample_per_node(logits, batch.sampling_info, n, seeds, lay.positions,
+        choice = sample_per_node(logits, si, n, seeds, lay.positions,
                                  out=choice_in.view(-1)).view(bs, n)
         choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
                                  self.mask_costs)
@@ -276,7 +279,7 @@ class DecodeStep:
         def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
             index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
             flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
-            return sample_for_requests(rows, batch.sampling_info, index, seeds,
+            return sample_for_requests(rows, si, index, seeds,
                                        lay.positions.index_select(0, flat))
 
         choice = sampled_grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
