@@ -109,7 +109,7 @@ def drafted(w, batch, plan: StepPlan) -> DraftedTree:
 
 
 def plan_of(batch, budget: int = B) -> StepPlan:
-    return StepPlan(len(batch.seq_lens), budget, batch.spec_info)
+    return StepPlan(len(batch.seq_lens), budget, budget + 1, batch.spec_info)
 
 
 def test_plan_clamps_finished_rows_and_takes_the_budget():
@@ -117,7 +117,7 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
     batch = make_batch(seq_lens=(5, 60))  # 60 + 9 verify tokens would pass the 64-slot row
     relay = batch.spec_info
     plan = w.begin_step(batch)
-    assert plan == StepPlan(bs=2, budget=B, draft_input=relay) and plan.width == B + 1
+    assert plan == StepPlan(bs=2, budget=B, width=B + 1, draft_input=relay)
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
     w = make_step(serving_budget=SimpleNamespace(
@@ -451,7 +451,7 @@ def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
     accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
-    w.end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
+    w.end_step(StepPlan(2, 5, 6), tree, SimpleNamespace(logits_output=out), accepted)
     assert observed == [(2, 5, "probs", commit_lens)]
     assert out.customized_info == {"ddtree_budget": [5, 5]}
 

@@ -358,6 +358,7 @@ def build_ddtree(bs_max: int, budget: int, budgets: tuple[int, ...], counter: Op
                            lambda fn, pool: ReplayStandIn(fn, counter)), \
             mock.patch.object(torch.cuda, "graph_pool_handle", lambda: None):
         stages.accept.capture(range(1, bs_max + 1))
+    stages.freeze()  # as the worker freezes them after its captures
     worker = stand_in_worker(DDTreeWorker, bs_max, counter, stages.tree.tail_hook)
     io = DFlashModelIO(worker, Kernels(), BLOCK, budget + 1, VOCAB, tree_in_draft_graph=True)
     io._kv_move_buffers = ("ptrs", "row bytes", 0)

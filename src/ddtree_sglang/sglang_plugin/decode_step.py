@@ -35,6 +35,7 @@ DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captur
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -108,6 +109,7 @@ class DecodeStep:
         # configured width, its largest, through the target's as it is).
         self.narrow_runtimes = {} if serving_budget is None else {
             w: r for w, r in serving_budget.runtimes.items() if w != settings.verify_width}
+        self._drafted: dict[tuple[int, int], DraftedTree] = {}  # (bs, width) -> views
         self.depth, self.out_width = settings.depth, settings.block_size
 
     def run(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
@@ -174,7 +176,7 @@ class DecodeStep:
         budget = self.settings.budget if serving_budget is None else serving_budget.choose(bs)
         if serving_budget is not None:
             serving_budget.start_step(bs, budget)
-        return StepPlan(bs=bs, budget=budget, draft_input=draft_input)
+        return StepPlan(bs=bs, budget=budget, width=budget + 1, draft_input=draft_input)
 
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
@@ -206,17 +208,28 @@ class DecodeStep:
                 forced = grammar_spines(batch.reqs, self.depth, hidden.device) if spine else None
                 stage.run(hidden[:, 1:, :], plan.draft_input.bonus_tokens, batch.seq_lens,
                           forced)
-        out = stage.read(plan.bs)
-        layout = out.layouts[plan.width]
-        grammar_tree = None
+        tree = self._drafted.get((plan.bs, plan.width)) or self.drafted(plan.bs, plan.width)
         if batch.has_grammar:
-            grammar_tree = sg.GrammarTree.from_device(
+            layout = tree.layout
+            tree = replace(tree, grammar_tree=sg.GrammarTree.from_device(
                 retrieve_next_token=layout.retrieve_next_token,
                 retrieve_next_sibling=layout.retrieve_next_sibling,
-                draft_token=layout.draft_tokens.view(plan.bs, plan.width))
-        return DraftedTree(layout=layout, grammar_tree=grammar_tree,
-                           depth_probs=out.depth_probs if plan.budget > 0 else None,
-                           mask_positions=out.mask_positions.get(plan.width))
+                draft_token=layout.draft_tokens.view(plan.bs, plan.width)))
+        return tree
+
+    def drafted(self, bs: int, width: int) -> DraftedTree:
+        """The tree stage's results for `bs` requests at `width`, without a grammar tree: views
+        of its fixed buffers (and mask targets, set before the step is built), made once per
+        shape."""
+        tree = self._drafted.get((bs, width))
+        if tree is None:
+            out = self.stages.tree.read(bs)
+            tree = self._drafted[(bs, width)] = DraftedTree(
+                layout=out.layouts[width], grammar_tree=None,
+                depth_probs=out.depth_probs if width > 1 else None,
+                mask_positions=out.mask_positions.get(width),
+                mask_buffer=self.stages.tree.mask_buffer(width, bs))
+        return tree
 
     def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
         """The target's pass over every tree node, and the grammar's part of the step, built
@@ -231,8 +244,7 @@ class DecodeStep:
             patches.set_verify_runtime(runner, runtime)
         try:
             logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
-                batch, plan.draft_input, tree.layout, tree.mask_positions,
-                self.stages.tree.mask_buffer(plan.width, plan.bs))
+                batch, plan.draft_input, tree.layout, tree.mask_positions, tree.mask_buffer)
             backend = runner.attn_backend  # the one that ran this verify
         finally:
             if runtime is not None:
@@ -270,7 +282,8 @@ class DecodeStep:
         # seeds only steer draws: a greedy batch takes the argmax, whatever its seeds
         seeds = None if si is None or si.is_all_greedy else request_seeds(batch.reqs,
                                                                           logits.device)
-        choice_in, verify_slots = self.stages.accept.inputs(bs, n)
+        accept = self.stages.accept
+        choice_in, verify_slots = accept.input_views.get((bs, n)) or accept.inputs(bs, n)
         choice = sample_per_node(logits, si, n, seeds, lay.positions,
                                  out=choice_in.view(-1)).view(bs, n)
         choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
