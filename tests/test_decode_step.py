@@ -31,15 +31,15 @@ ROW = 64  # slots of a request's req_to_token row
 class FakeIO:
     """The step's model I/O (model_io.ModelIO) without models: records what the step asks."""
 
+    max_step_seq_len = ROW - (B + 1)
+    has_recurrent_state = True  # the step's commit calls commit_recurrent_state (recorded)
+
     def __init__(self) -> None:
         self.target_runner = SimpleNamespace(attn_backend="configured backend",
                                              decode_cuda_graph_runner="configured graphs")
         self.calls: list = []
         self.verify_out = None
         self.hidden = None  # the drafter states draft_block returns (random where None)
-
-    def max_step_seq_len(self) -> int:
-        return ROW - (B + 1)
 
     def draft_block(self, batch, draft_input):
         self.calls.append(("draft", draft_input))

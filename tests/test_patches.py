@@ -423,15 +423,17 @@ _DRAFT_BLOCK = ("DFLASH's draft-block buffers, filled by SGLang's own kernel as 
                 "contract.COPIED)")
 _OUTPUT_IDS = ("Req.output_ids cut to the tokens inside max_new_tokens while SGLang's own "
                "finish checks read them, restored in a finally")
+_DRAFT_HOST_LENGTHS = ("DFLASH's _draft_seq_lens_cpu_buf, the host lengths of the draft "
+                       "forward batch, filled as DFLASH's block draft fills it "
+                       "(contract.COPIED)")
 SGLANG_WRITES_ELSEWHERE = {
     "draft_input.py DDTreeDraftInput.prepare_for_decode: committed_cpu[i]": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: cur_cpu[i]": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: nxt_cpu[i]": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: cur.copy_": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: nxt.copy_": _DFLASH_LENGTHS,
-    "model_io.py DFlashModelIO.draft_block: cpu_buf.copy_":
-        "DFLASH's _draft_seq_lens_cpu_buf, the host lengths of the draft forward batch, filled "
-        "as DFLASH's block draft fills it (contract.COPIED)",
+    "model_io.py DFlashModelIO.draft_block: cpu_buf.copy_": _DRAFT_HOST_LENGTHS,
+    "model_io.py DFlashModelIO.draft_block: cpu_buf.add_": _DRAFT_HOST_LENGTHS,
     "model_io.py DFlashModelIO.draft_block: "
     "sg.prepare_dflash_draft_block(block_ids_out=block_ids)": _DRAFT_BLOCK,
     "model_io.py DFlashModelIO.draft_block: "

@@ -392,11 +392,20 @@ def build_dflash(bs_max: int, counter: OpCounter):
 
 def make_batch(worker, bs: int) -> SimpleNamespace:
     """A running decode batch of `bs` greedy requests without penalties, as the worker's step
-    receives it (its relay state the worker's own kind)."""
+    receives it: its relay state the worker's own kind, as prepare_for_decode leaves it (the
+    scheduler's part, not run here: DDTREE's keeps its longest KV reservation, committed +
+    2 x the verify width), its sampling info as a forward's copy (no penalizer orchestrator,
+    no accumulated penalties)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
+    from ddtree_sglang.sglang_plugin.draft_input import DDTreeDraftInput
+
     seq = torch.full((bs,), SEQ_LEN, dtype=torch.int64)
+    relay = worker._make_next_draft_input_decode(
+        bonus_tokens=torch.zeros(bs, dtype=torch.int64), new_seq_lens=seq)
+    if isinstance(relay, DDTreeDraftInput):
+        relay.longest_reservation = SEQ_LEN + 2 * worker.ddtree_step.settings.verify_width
     req = SimpleNamespace(sampling_params=SimpleNamespace(
         frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0,
         stop_token_ids=None, sampling_seed=None, logit_bias=None))
@@ -408,9 +417,7 @@ def make_batch(worker, bs: int) -> SimpleNamespace:
     return SimpleNamespace(
         forward_mode=ForwardMode.DECODE, is_extend_in_batch=False, return_logprob=False,
         seq_lens=seq, seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()),
-        spec_info=worker._make_next_draft_input_decode(
-            bonus_tokens=torch.zeros(bs, dtype=torch.int64), new_seq_lens=seq),
-        has_grammar=False, reqs=[req] * bs, sampling_info=greedy,
+        spec_info=relay, has_grammar=False, reqs=[req] * bs, sampling_info=greedy,
         req_pool_indices=torch.arange(bs), top_logprobs_nums=None, token_ids_logprobs=None,
         out_cache_loc=None, input_ids=None, device="cpu")
 

@@ -50,6 +50,7 @@ from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choice
                                                       sampled_grammar_choices,
                                                       start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
+from ddtree_sglang.sglang_plugin.draft_input import DDTreeDraftInput
 from ddtree_sglang.sglang_plugin.model_io import ModelIO
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings
@@ -129,7 +130,8 @@ class DecodeStep:
         # stage: ddtree_commit
         result = self.commit(batch, plan, tree, verified, accepted, on_publish)
         # stage: none
-        self.end_step(plan, tree, verified, accepted)
+        if self.serving_budget is not None:
+            self.end_step(plan, tree, verified, accepted)
         return result
 
     def run_observed(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
@@ -150,7 +152,8 @@ class DecodeStep:
         with sg.stage_span("ddtree_commit"):
             result = self.commit(batch, plan, tree, verified, accepted, on_publish)
         clock.mark("commit")
-        self.end_step(plan, tree, verified, accepted)
+        if self.serving_budget is not None:
+            self.end_step(plan, tree, verified, accepted)
         clock.end()
         return result
 
@@ -163,15 +166,23 @@ class DecodeStep:
         travel in Verified) and the reset of sampling_info.grammar_mask, which would otherwise
         carry the prefill's mask into the step (grammar_stage.start_grammar_step)."""
         draft_input = batch.spec_info
-        if not isinstance(draft_input, sg.DFlashDraftInputV2):
+        # DDTREE's own relay state first: an isinstance against SGLang's abstract base class
+        # costs a Python call
+        if type(draft_input) is not DDTreeDraftInput and \
+                not isinstance(draft_input, sg.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
         if batch.seq_lens.is_cuda:  # made on the scheduler's stream, used on this one
             batch.seq_lens.record_stream(torch.cuda.current_stream())
-        bs = len(batch.seq_lens)
+        bs = batch.seq_lens.shape[0]
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
-        # request is never clamped.  (The KV reservation is always the largest width's.)
-        patches.clamp_seq_lens(batch, self.io.max_step_seq_len())
+        # request is never clamped, and no length passes its request's KV reservation: where
+        # every reservation of this step ends inside the bound (prepare_for_decode's
+        # longest_reservation), no length can need the clamp.  (The KV reservation is always
+        # the largest width's.)
+        longest = getattr(draft_input, "longest_reservation", None)
+        if longest is None or longest > self.io.max_step_seq_len:
+            patches.clamp_seq_lens(batch, self.io.max_step_seq_len)
         serving_budget = self.serving_budget
         budget = self.settings.budget if serving_budget is None else serving_budget.choose(bs)
         if serving_budget is not None:
@@ -180,13 +191,12 @@ class DecodeStep:
 
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
-        """The budget controller learns what the step committed (and each request's budget
-        is reported when traced)."""
-        if self.serving_budget is not None:
-            self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
-                                          accepted.commit.commit_lens)
-            patches.report_per_request(verified.logits_output, "ddtree_budget",
-                                       [plan.budget] * plan.bs)
+        """The batch-aware budget's end of a step: its controller learns what the step
+        committed, and each request's budget is reported."""
+        self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
+                                    accepted.commit.commit_lens)
+        patches.report_per_request(verified.logits_output, "ddtree_budget",
+                                   [plan.budget] * plan.bs)
 
     def draft_tree(self, batch, plan: StepPlan, grammar_barrier=None) -> DraftedTree:
         """One drafter pass over [bonus, MASK...] for every request, whose CUDA graph ends in
@@ -286,17 +296,8 @@ class DecodeStep:
         choice_in, verify_slots = accept.input_views.get((bs, n)) or accept.inputs(bs, n)
         choice = sample_per_node(logits, si, n, seeds, lay.positions,
                                  out=choice_in.view(-1)).view(bs, n)
-        choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
-                                 self.mask_costs)
-
-        def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
-            index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
-            flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
-            return sample_for_requests(rows, si, index, seeds,
-                                       lay.positions.index_select(0, flat))
-
-        choice = sampled_grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
-                                         sample, self.mask_costs)
+        if grammar_step is not None:
+            choice = self.grammar_walks(grammar_step, si, lay, logits, choice, seeds)
         if choice.data_ptr() != choice_in.data_ptr():  # sampled or walked: a tensor of its own
             choice_in.copy_(choice)
         verify_slots.copy_(verified.out_cache_loc)
@@ -308,6 +309,24 @@ class DecodeStep:
         return Accepted(choice=choice_in, commit=commit, slots=slots, penalties=penalties,
                         logits=logits)
 
+    def grammar_walks(self, grammar_step, sampling_info, lay, logits: torch.Tensor,
+                      choice: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+        """The choices [bs, n] with each walking request's path replaced by its grammar's walk:
+        the greedy walks' choices, then the sampled walks' draws (rows with their request's
+        settings and seeds, at their nodes' positions)."""
+        n = choice.shape[1]
+        choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
+                                 self.mask_costs)
+
+        def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
+            index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
+            flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
+            return sample_for_requests(rows, sampling_info, index, seeds,
+                                       lay.positions.index_select(0, flat))
+
+        return sampled_grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
+                                       sample, self.mask_costs)
+
     def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
                accepted: Accepted, on_publish):
         """A hybrid target's recurrent state of each last accepted node (while the lengths are
@@ -316,7 +335,8 @@ class DecodeStep:
         extend), then the accepted path's KV to its committed positions, its target features
         into the draft KV, the committed tokens' logprobs; the step's result."""
         step, slots = accepted.commit, accepted.slots
-        self.io.commit_recurrent_state(verified.attn_backend, batch, step, plan.width)
+        if self.io.has_recurrent_state:
+            self.io.commit_recurrent_state(verified.attn_backend, batch, step, plan.width)
         new_seq_lens = slots.new_seq_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
