@@ -129,6 +129,21 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
         w.begin_step(stale)
 
 
+def test_the_clamp_runs_only_where_a_reservation_passes_the_bound():
+    """prepare_for_decode's longest KV reservation bounds every length on the GPU: where it
+    ends inside max_step_seq_len the batch's lengths are left as they are (no tensor made),
+    where it passes the bound (or is unknown) they are clamped."""
+    w = make_step()
+    bound = ROW - (B + 1)
+    for longest, clamped in ((None, True), (bound, False), (bound + 1, True)):
+        batch = make_batch(seq_lens=(5, 9))
+        batch.spec_info.longest_reservation = longest
+        lens = batch.seq_lens
+        w.begin_step(batch)
+        assert (batch.seq_lens is not lens) == clamped, longest
+        assert batch.seq_lens.tolist() == [5, 9]
+
+
 def test_the_tree_stage_is_the_core_tree_stage_at_the_plan_s_width(monkeypatch):
     w = make_step(env={"SGLANG_DDTREE_BUDGETS": "5"})  # candidates 5 and B = 8
     batch = make_batch()

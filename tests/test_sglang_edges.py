@@ -146,6 +146,7 @@ def test_kv_reservation_stays_inside_the_row(monkeypatch, serving_ddtree):
                                        torch.zeros(4, dtype=torch.long))
     inp.prepare_for_decode(batch)
     assert seen["nxt_kv_lens_cpu"].tolist() == [76, width, width, 170]
+    assert inp.longest_reservation == width  # the step's clamp reads it
     assert seen["num_needed_tokens"] == 56 + (width - 280)
     assert batch.seq_lens_cpu.tolist() == [10, 250, 240, 100]
     assert draft_input.max_step_seq_len(batch.req_to_token_pool.req_to_token, 33) == 256 + 4
