@@ -461,7 +461,7 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
     observed = []
     w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a),
-                                                 runtimes={}))
+                                                 report=lambda bs, b: [b] * bs, runtimes={}))
     commit_lens = torch.tensor([2, 3])
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
@@ -706,8 +706,8 @@ def test_a_step_without_speculation_drafts_nothing_and_decodes_one_token():
     observed = []
     w = make_step(env={"SGLANG_DDTREE_BUDGETS": "0"}, serving_budget=SimpleNamespace(
         choose=lambda bs: 0, start_step=lambda bs, b: None,
-        observe=lambda *a: observed.append(a), runtimes={1: ("w1 backend", "w1 graphs"),
-                                                        B + 1: ("wide", "graphs")}))
+        observe=lambda *a: observed.append(a), report=lambda bs, b: [b] * bs,
+        runtimes={1: ("w1 backend", "w1 graphs"), B + 1: ("wide", "graphs")}))
     batch = make_batch()
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
     w.io.verify_out = SimpleNamespace(next_token_logits=logits.clone(),

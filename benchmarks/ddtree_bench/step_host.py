@@ -318,17 +318,22 @@ def sglang_stand_ins(counter: OpCounter) -> Iterator[None]:
 
 def fixed_step_timer(serving_budget, counter: OpCounter, period_ms: float = STEP_MS) -> None:
     """The batch-aware budget's step timer reads a clock that advances `period_ms` per step
-    (each step starts one mark), so what it learns, and chooses, is the same every run."""
+    (each step records one mark: a CUDA event's record, stood in), so what it learns, and
+    chooses, is the same every run."""
     from ddtree_sglang.sglang_plugin.serving_budget import _HostMark
 
     marks = itertools.count()
 
-    def mark() -> _HostMark:
+    def new_mark() -> _HostMark:
         made = _HostMark()
-        made.t = next(marks) * period_ms / 1e3
+
+        def record() -> None:
+            made.t = next(marks) * period_ms / 1e3
+
+        made.record = StandIn("step timer mark (CUDA event record)", record, counter)
         return made
 
-    serving_budget._timer._mark = StandIn("step timer mark (CUDA event)", mark, counter)
+    serving_budget._timer._new_mark = new_mark
 
 
 def build_ddtree(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCounter):

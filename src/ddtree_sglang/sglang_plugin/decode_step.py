@@ -193,10 +193,11 @@ class DecodeStep:
                  accepted: Accepted) -> None:
         """The batch-aware budget's end of a step: its controller learns what the step
         committed, and each request's budget is reported."""
-        self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
-                                    accepted.commit.commit_lens)
+        serving_budget = self.serving_budget
+        serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
+                               accepted.commit.commit_lens)
         patches.report_per_request(verified.logits_output, "ddtree_budget",
-                                   [plan.budget] * plan.bs)
+                                   serving_budget.report(plan.bs, plan.budget))
 
     def draft_tree(self, batch, plan: StepPlan, grammar_barrier=None) -> DraftedTree:
         """One drafter pass over [bonus, MASK...] for every request, whose CUDA graph ends in
@@ -250,8 +251,7 @@ class DecodeStep:
         runner = self.io.target_runner
         runtime = self.narrow_runtimes.get(plan.width)
         if runtime is not None:
-            configured = sg.verify_runtime(runner)
-            patches.set_verify_runtime(runner, runtime)
+            configured = patches.swap_verify_runtime(runner, runtime)
         try:
             logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
                 batch, plan.draft_input, tree.layout, tree.mask_positions, tree.mask_buffer)

@@ -136,6 +136,13 @@ def set_verify_runtime(model_runner, runtime: tuple) -> None:
     model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
 
 
+def swap_verify_runtime(model_runner, runtime: tuple) -> tuple:
+    """set_verify_runtime, returning the pair it replaces (sglang_api.verify_runtime's)."""
+    replaced = model_runner.attn_backend, model_runner.decode_cuda_graph_runner
+    model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
+    return replaced
+
+
 def report_per_request(logits_output, key: str, values: list) -> None:
     """One value per request of this step, which SGLang appends to each request's
     meta_info[key] (a list with one entry per decode step of that request)."""
