@@ -26,11 +26,12 @@ budget's observation):
                     off the same node logits when asked.
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
-target's top-K per node (greedy) or each depth's draws (sampled).  While a profiler records
-(SGLang's spans), each stage runs inside SGLang's profiler span of its name, so a trace names
-it, and the host clock (SGLANG_DDTREE_DEBUG=host_timing) marks the stages when on: both through
-`DecodeStep.run_observed`, so a step nobody observes does neither.  The step reaches the models and
-DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captures its graphs.
+target's top-K per node (greedy) or each depth's draws (sampled).  While a profiler records,
+each stage runs inside SGLang's profiler span of its name, so a trace names it, and the host
+clock (SGLANG_DDTREE_DEBUG=host_timing) marks the stages when on: both through
+`DecodeStep.run_observed`, so a step nobody observes does neither.  The step reaches the
+models and DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captures
+its graphs.
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ class DecodeStep:
 
     def begin_step(self, batch) -> StepPlan:
         """The step's plan (batch size, budget, the relay state it starts from); starts the
-        budget controller's step.  The one place the step itself changes
-        the batch it is given: seq_lens clamped (below).  Two more writes happen where SGLang's
+        budget controller's step.  The one place the step itself changes the batch it is
+        given: seq_lens clamped (below), where a length could need it.  Two more writes happen where SGLang's
         conventions put them, each through patches.py: its verify preparation's fields
         (model_io.DFlashModelIO.target_verify; no stage reads them back: the tree's KV slots
         travel in Verified) and the reset of sampling_info.grammar_mask, which would otherwise
