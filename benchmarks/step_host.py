@@ -76,13 +76,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{', with uncommitted changes' if meta['dirty'] else ''}; {meta['machine']}).",
              "",
              "Each step runs its worker's real `forward_batch_generation` on a decode batch of "
-             "greedy requests without penalties (DDTreeWorker's, SGLang's DFlashWorkerV2's; "
-             "the batch as prepare_for_decode and a forward's copy of its sampling info leave "
-             "it), with the models, kernels and SGLang's verify preparation stood in alike "
-             "(bench/step_host.py says what, and what each stand-in is taken to launch), as "
-             "the worker runs it: no profiler, no stage clock (DDTREE's run_observed runs only "
-             "for the stage ops, in the window's last step, with the same tensor ops).  Counts "
-             "per decode step, exact "
+             "greedy requests (DDTreeWorker's, SGLang's DFlashWorkerV2's), with the models, "
+             "kernels and SGLang's verify preparation stood in alike (bench/step_host.py says "
+             "what, and what each stand-in is taken to launch).  Counts per decode step, exact "
              f"(the mean over {first['window']} steps after {first['settle']} settling steps; "
              "the batch-aware budget explores and updates its statistics on a cadence, hence "
              "the min-max): Python calls (sys.setprofile 'call' events outside stand-ins; a "
@@ -112,11 +108,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             lines.append(f"- {r['variant']}: " + ", ".join(
                 f"{k} {v:g}" for k, v in list(r["ops_by_name"].items())[:10]))
     if "host_us" in first:
-        lines += ["", f"Host µs per step, median over {meta['steps']} steps as the worker "
-                  "runs them: NOISY (a shared CPU, the same code moves by tens of ms between "
-                  "runs): no claim rests on them.  DDTREE's per stage over as many more steps "
-                  "with the stage clock on (run_observed), with the stage's aten ops (the "
-                  "counted window's last step's).", ""]
+        lines += ["", f"Host µs per step, median over {meta['steps']} steps: NOISY (a shared "
+                  "CPU, the same code moves by tens of ms between runs): no claim rests on "
+                  "them.  DDTREE's per stage, with the stage's aten ops (the last step's).", ""]
         lines += timing_table(rows)
     return "\n".join(lines) + "\n"
 

@@ -31,15 +31,15 @@ ROW = 64  # slots of a request's req_to_token row
 class FakeIO:
     """The step's model I/O (model_io.ModelIO) without models: records what the step asks."""
 
-    max_step_seq_len = ROW - (B + 1)
-    has_recurrent_state = True  # the step's commit calls commit_recurrent_state (recorded)
-
     def __init__(self) -> None:
         self.target_runner = SimpleNamespace(attn_backend="configured backend",
                                              decode_cuda_graph_runner="configured graphs")
         self.calls: list = []
         self.verify_out = None
         self.hidden = None  # the drafter states draft_block returns (random where None)
+
+    def max_step_seq_len(self) -> int:
+        return ROW - (B + 1)
 
     def draft_block(self, batch, draft_input):
         self.calls.append(("draft", draft_input))
@@ -109,7 +109,7 @@ def drafted(w, batch, plan: StepPlan) -> DraftedTree:
 
 
 def plan_of(batch, budget: int = B) -> StepPlan:
-    return StepPlan(len(batch.seq_lens), budget, budget + 1, batch.spec_info)
+    return StepPlan(len(batch.seq_lens), budget, batch.spec_info)
 
 
 def test_plan_clamps_finished_rows_and_takes_the_budget():
@@ -117,31 +117,16 @@ def test_plan_clamps_finished_rows_and_takes_the_budget():
     batch = make_batch(seq_lens=(5, 60))  # 60 + 9 verify tokens would pass the 64-slot row
     relay = batch.spec_info
     plan = w.begin_step(batch)
-    assert plan == StepPlan(bs=2, budget=B, width=B + 1, draft_input=relay)
+    assert plan == StepPlan(bs=2, budget=B, draft_input=relay) and plan.width == B + 1
     assert batch.seq_lens.tolist() == [5, ROW - (B + 1)]
     calls = []
     w = make_step(serving_budget=SimpleNamespace(
-        choose=lambda bs: 3 + bs, start_step=lambda bs, b: calls.append((bs, b)), runtimes={}))
+        choose=lambda bs: 3 + bs, start_step=lambda bs, b: calls.append((bs, b))))
     assert w.begin_step(make_batch()).budget == 5 and calls == [(2, 5)]
     stale = make_batch()
     stale.spec_info = object()
     with pytest.raises(RuntimeError, match="DFlashDraftInputV2"):
         w.begin_step(stale)
-
-
-def test_the_clamp_runs_only_where_a_reservation_passes_the_bound():
-    """prepare_for_decode's longest KV reservation bounds every length on the GPU: where it
-    ends inside max_step_seq_len the batch's lengths are left as they are (no tensor made),
-    where it passes the bound (or is unknown) they are clamped."""
-    w = make_step()
-    bound = ROW - (B + 1)
-    for longest, clamped in ((None, True), (bound, False), (bound + 1, True)):
-        batch = make_batch(seq_lens=(5, 9))
-        batch.spec_info.longest_reservation = longest
-        lens = batch.seq_lens
-        w.begin_step(batch)
-        assert (batch.seq_lens is not lens) == clamped, longest
-        assert batch.seq_lens.tolist() == [5, 9]
 
 
 def test_the_tree_stage_is_the_core_tree_stage_at_the_plan_s_width(monkeypatch):
@@ -222,11 +207,7 @@ def test_a_tree_from_the_draft_graph_s_tail_is_the_eager_tree():
 
 
 def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(monkeypatch):
-    """A narrower width of the batch-aware budget verifies through its own runtime, the
-    configured one restored after (also when the verify fails), and reports the backend that
-    ran it; the configured width (B + 1) verifies through the target's runtime untouched."""
-    serving_budget = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs"),
-                                               B + 1: ("built backend", "built graphs")})
+    serving_budget = SimpleNamespace(runtimes={6: ("narrow backend", "narrow graphs")})
     w = make_step(serving_budget=serving_budget)
     runner = w.io.target_runner
     w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
@@ -241,42 +222,23 @@ def test_verify_runs_through_the_width_s_runtime_and_builds_the_grammar_mask(mon
     tree = DraftedTree(layout=None, depth_probs=None, grammar_tree="tree copy")
     barrier = []
     batch = make_batch()
-    out = w.verify(batch, plan_of(batch, 5), tree, lambda: barrier.append(1))
+    with w.verify_runtime(6):
+        out = w.verify(batch, plan_of(batch, 5), tree, lambda: barrier.append(1))
     assert w.io.calls == [("verify", ("narrow backend", "narrow graphs"))]
     assert (runner.attn_backend, runner.decode_cuda_graph_runner) == ("configured backend",
                                                                       "configured graphs")
     assert out.grammar_step == "grammar step" and out.out_cache_loc == "slots"
     assert out.forward_batch == "verify batch" and out.can_run_graph
-    assert out.attn_backend == "narrow backend"
     assert barrier == [1]
     assert built[0] == dict(tree="tree copy", width=6, method="tree", costs=w.mask_costs)
-    out = w.verify(batch, plan_of(batch), tree, lambda: barrier.append(1))
-    assert w.io.calls[-1] == ("verify", ("configured backend", "configured graphs"))
-    assert out.attn_backend == "configured backend"
 
     def broken(*a):
         raise RuntimeError("verify failed")
 
     w.io.target_verify = broken
-    with pytest.raises(RuntimeError, match="verify failed"):
+    with pytest.raises(RuntimeError, match="verify failed"), w.verify_runtime(6):
         w.verify(batch, plan_of(batch, 5), tree, None)
     assert runner.attn_backend == "configured backend"  # restored on failure too
-
-
-def test_the_verify_logits_checks_follow_sglang_s_switch_at_startup(monkeypatch):
-    """SGLang's NaN / Inf checks run on the verify logits when SGLANG_ENABLE_ASYNC_ASSERT is
-    on where the step is built, and are not even called when it is off."""
-    checked = []
-    monkeypatch.setattr(sg, "detect_nan", lambda tensor, what: checked.append(what))
-    batch = make_batch()
-    tree = DraftedTree(layout=None, depth_probs=None, grammar_tree=None)
-    for on in (False, True):
-        monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", "1" if on else "0")
-        w = make_step()
-        monkeypatch.delenv("SGLANG_ENABLE_ASYNC_ASSERT")
-        w.io.verify_out = SimpleNamespace(next_token_logits=torch.zeros(3, V))
-        w.verify(batch, plan_of(batch), tree, None)
-        assert checked == (["DDTREE verify logits"] if on else []), on
 
 
 class EvenTokens:
@@ -434,8 +396,8 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
     w.io.verify_out = SimpleNamespace(next_token_logits=logits.clone(), hidden_states=feats,
                                       customized_info=None)
     runtimes = []
-    verify = w.verify
-    w.verify = lambda batch, plan, *a: runtimes.append(plan.width) or verify(batch, plan, *a)
+    verify_runtime = w.verify_runtime
+    w.verify_runtime = lambda width: runtimes.append(width) or verify_runtime(width)
     seq = batch.seq_lens.clone()
     mask_buffer = torch.zeros(2 * (B + 1) * (64 + B + 1), dtype=torch.uint8)
     w.stages.tree.set_mask_targets({B + 1: (mask_buffer, 4)})
@@ -459,107 +421,16 @@ def test_a_whole_step_commits_what_the_reference_walk_commits():
 
 
 def test_end_step_feeds_the_budget_controller_and_traces_the_budget():
-    observed = []
-    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a),
-                                                 report=lambda bs, b: [b] * bs, runtimes={}))
+    observed, clock = [], []
+    w = make_step(serving_budget=SimpleNamespace(observe=lambda *a: observed.append(a)),
+                  clock=SimpleNamespace(end=lambda: clock.append("end")))
     commit_lens = torch.tensor([2, 3])
     out = SimpleNamespace(customized_info=None)
     tree = DraftedTree(layout=None, depth_probs="probs", grammar_tree=None)
     accepted = SimpleNamespace(commit=SimpleNamespace(commit_lens=commit_lens))
-    w.end_step(StepPlan(2, 5, 6), tree, SimpleNamespace(logits_output=out), accepted)
-    assert observed == [(2, 5, "probs", commit_lens)]
+    w.end_step(StepPlan(2, 5), tree, SimpleNamespace(logits_output=out), accepted)
+    assert observed == [(2, 5, "probs", commit_lens)] and clock == ["end"]
     assert out.customized_info == {"ddtree_budget": [5, 5]}
-
-
-class Marks:
-    """A host clock (host_timing.StageClock's calls) that lists what it was told."""
-
-    def __init__(self) -> None:
-        self.told: list = []
-
-    def start(self, bs: int) -> None:
-        self.told.append(("start", bs))
-
-    def mark(self, stage: str) -> None:
-        self.told.append(stage)
-
-    def end(self) -> None:
-        self.told.append("end")
-
-
-def one_step(w, trace: bool = False):
-    """A whole greedy step of make_batch() on fixed drafter states and target logits, through
-    the profiler's spans where `trace` (a torch profiler records)."""
-    batch = make_batch()
-    w.io.hidden = torch.randn(2, BLOCK, H, generator=torch.Generator().manual_seed(4))
-    w.io.verify_out = SimpleNamespace(
-        next_token_logits=torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(5)),
-        hidden_states=torch.randn(2 * (B + 1), H), customized_info=None)
-    if not trace:
-        return w.run(batch)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        result = w.run(batch)
-    return result, {e.name for e in prof.events()}
-
-
-class Untouchable(list):
-    """A batch's requests that must not be looked at."""
-
-    def __iter__(self):
-        raise AssertionError("a request was looked at")
-
-    def __getitem__(self, i):
-        raise AssertionError("a request was looked at")
-
-
-def greedy_sampling_info(bs: int):
-    """SGLang's sampling info of greedy requests without penalties, as a forward gets it
-    (copy_for_forward: no penalizer orchestrator, no accumulated penalties)."""
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-    return SamplingBatchInfo(
-        temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs),
-        top_ks=torch.ones(bs, dtype=torch.int32), min_ps=torch.zeros(bs), is_all_greedy=True,
-        is_any_greedy=True, need_top_p_sampling=False, need_top_k_sampling=False,
-        need_min_p_sampling=False, vocab_size=V, device="cpu")
-
-
-def test_a_greedy_batch_without_penalties_looks_at_no_request():
-    """Where SGLang's sampling info says the batch is greedy and uses no penalty, the step
-    neither scans the requests for penalties nor for seeds, and commits what a step that
-    scans them (no sampling info) commits."""
-    scanned = one_step(make_step())
-    w = make_step()
-    batch = make_batch(reqs=Untouchable(), sampling_info=greedy_sampling_info(2))
-    w.io.hidden = torch.randn(2, BLOCK, H, generator=torch.Generator().manual_seed(4))
-    w.io.verify_out = SimpleNamespace(
-        next_token_logits=torch.randn(2 * (B + 1), V, generator=torch.Generator().manual_seed(5)),
-        hidden_states=torch.randn(2 * (B + 1), H), customized_info=None)
-    result = w.run(batch)
-    assert torch.equal(result.next_token_ids, scanned.next_token_ids)
-    assert torch.equal(result.accept_lens, scanned.accept_lens)
-
-
-def test_an_observed_step_is_the_step_inside_spans_and_clock_marks():
-    """With the host clock on, or while a profiler records, the step runs its stages through
-    run_observed: the same result, the clock marking the four stages, and a trace naming
-    them (SGLang's spans); unobserved, no span is entered."""
-    plain = one_step(make_step())
-    marks = Marks()
-    timed = one_step(make_step(clock=marks))
-    assert marks.told == [("start", 2), "draft + tree", "verify", "sample + accept", "commit",
-                          "end"]
-    traced, names = one_step(make_step(), trace=True)
-    assert {"ddtree_draft_tree", "ddtree_verify", "ddtree_sample_accept",
-            "ddtree_commit"} <= names
-    for result in (timed, traced):
-        assert torch.equal(result.next_token_ids, plain.next_token_ids)
-        assert torch.equal(result.accept_lens, plain.accept_lens)
-    spans = []
-    w = make_step()
-    w.run_observed = lambda *a: spans.append(a)
-    one_step(w)
-    assert spans == []
 
 
 class EvenMatcher:
@@ -706,8 +577,8 @@ def test_a_step_without_speculation_drafts_nothing_and_decodes_one_token():
     observed = []
     w = make_step(env={"SGLANG_DDTREE_BUDGETS": "0"}, serving_budget=SimpleNamespace(
         choose=lambda bs: 0, start_step=lambda bs, b: None,
-        observe=lambda *a: observed.append(a), report=lambda bs, b: [b] * bs,
-        runtimes={1: ("w1 backend", "w1 graphs"), B + 1: ("wide", "graphs")}))
+        observe=lambda *a: observed.append(a), runtimes={1: ("w1 backend", "w1 graphs"),
+                                                        B + 1: ("wide", "graphs")}))
     batch = make_batch()
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
     w.io.verify_out = SimpleNamespace(next_token_logits=logits.clone(),

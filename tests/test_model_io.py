@@ -27,8 +27,7 @@ def fake_worker(calls: list):
 
     pool = SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32))
     runner = SimpleNamespace(req_to_token_pool=pool, token_to_kv_pool_allocator=None)
-    target = SimpleNamespace(attn_backend="target backend")
-    return SimpleNamespace(target_worker=SimpleNamespace(model_runner=target,
+    return SimpleNamespace(target_worker=SimpleNamespace(model_runner="target runner",
                                                          forward_batch_generation=forward),
                            model_runner=runner, device="cpu",
                            _append_target_hidden_to_draft_kv_by_loc=append)
@@ -96,7 +95,7 @@ def test_committed_features_go_to_their_chain_slots_and_positions():
 
 def test_the_step_bound_and_the_relay_state():
     io = model_io.DFlashModelIO(fake_worker([]), Kernels(), BLOCK, B + 1, V)
-    assert io.max_step_seq_len == 64 - (B + 1) and not io.has_recurrent_state
+    assert io.max_step_seq_len() == 64 - (B + 1)
     nxt = io.next_draft_input(torch.tensor([5, 6]), torch.tensor([10, 12]))
     assert isinstance(nxt, sg.DFlashDraftInputV2) and nxt.bonus_tokens.tolist() == [5, 6]
     hidden = torch.randn(2, 3, 8)

@@ -423,17 +423,15 @@ _DRAFT_BLOCK = ("DFLASH's draft-block buffers, filled by SGLang's own kernel as 
                 "contract.COPIED)")
 _OUTPUT_IDS = ("Req.output_ids cut to the tokens inside max_new_tokens while SGLang's own "
                "finish checks read them, restored in a finally")
-_DRAFT_HOST_LENGTHS = ("DFLASH's _draft_seq_lens_cpu_buf, the host lengths of the draft "
-                       "forward batch, filled as DFLASH's block draft fills it "
-                       "(contract.COPIED)")
 SGLANG_WRITES_ELSEWHERE = {
     "draft_input.py DDTreeDraftInput.prepare_for_decode: committed_cpu[i]": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: cur_cpu[i]": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: nxt_cpu[i]": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: cur.copy_": _DFLASH_LENGTHS,
     "draft_input.py DDTreeDraftInput.prepare_for_decode: nxt.copy_": _DFLASH_LENGTHS,
-    "model_io.py DFlashModelIO.draft_block: cpu_buf.copy_": _DRAFT_HOST_LENGTHS,
-    "model_io.py DFlashModelIO.draft_block: cpu_buf.add_": _DRAFT_HOST_LENGTHS,
+    "model_io.py DFlashModelIO.draft_block: cpu_buf.copy_":
+        "DFLASH's _draft_seq_lens_cpu_buf, the host lengths of the draft forward batch, filled "
+        "as DFLASH's block draft fills it (contract.COPIED)",
     "model_io.py DFlashModelIO.draft_block: "
     "sg.prepare_dflash_draft_block(block_ids_out=block_ids)": _DRAFT_BLOCK,
     "model_io.py DFlashModelIO.draft_block: "
@@ -653,32 +651,21 @@ def test_batch_lengths(patches):
     assert batch.seq_lens_cpu is host and batch.seq_lens_sum == 47
 
 
-def test_the_verify_input_and_host_bound_on_the_batch(patches, monkeypatch):
-    """prepare_verify_on_batch leaves the verify input on the batch (as DFLASH does) and holds
-    the step's host bound only while EAGLE's preparation runs, restoring the batch's own
-    after, also when the preparation fails."""
+def test_the_verify_input_and_host_bound_on_the_batch(patches):
+    """verify_on_batch leaves the verify input on the batch (as DFLASH does) and holds the
+    step's host bound only inside the block, restoring the batch's own after, also when the
+    block fails."""
     from types import SimpleNamespace
 
-    from ddtree_sglang.sglang_plugin import sglang_api as sg
-
-    seen = []
-
-    def prepare(verify_input, pool, batch, worker):
-        seen.append((verify_input, pool, worker, batch.spec_info, batch.seq_lens_cpu,
-                     batch.seq_lens_sum))
-        if verify_input == "again":
-            raise KeyError("prepare failed")
-        return "forward batch", True
-
-    monkeypatch.setattr(sg, "eagle_prepare_for_verify", prepare)
     batch = SimpleNamespace(spec_info="relay", seq_lens_cpu="host lens", seq_lens_sum=10)
-    assert patches.prepare_verify_on_batch(batch, "verify input", "bound", 99, "pool",
-                                           "worker") == ("forward batch", True)
-    assert seen == [("verify input", "pool", "worker", "verify input", "bound", 99)]
+    with patches.verify_on_batch(batch, "verify input", "bound", 99):
+        assert (batch.spec_info, batch.seq_lens_cpu, batch.seq_lens_sum) == \
+            ("verify input", "bound", 99)
     assert (batch.spec_info, batch.seq_lens_cpu, batch.seq_lens_sum) == \
         ("verify input", "host lens", 10)
     with pytest.raises(KeyError):
-        patches.prepare_verify_on_batch(batch, "again", "bound", 99, "pool", "worker")
+        with patches.verify_on_batch(batch, "again", "bound", 99):
+            raise KeyError("prepare failed")
     assert (batch.seq_lens_cpu, batch.seq_lens_sum) == ("host lens", 10)
 
 

@@ -78,7 +78,7 @@ def test_step_time_is_start_to_next_start_and_other_work_breaks_it(monkeypatch):
     """A step costs the period until the next decode step starts (host waits included); an
     interval with a prefill in it is no step's cost."""
     clock = iter([0.0, 0.005, 0.009, 0.020, 0.022]).__next__
-    monkeypatch.setattr(_HostMark, "record", lambda self: setattr(self, "t", clock()))
+    monkeypatch.setattr(_HostMark, "__init__", lambda self: setattr(self, "t", clock()))
     timer = StepTimer()
     timer.cuda = False
     timer.start((8, 32))   # t = 0
@@ -206,7 +206,7 @@ def test_served_steps_on_a_host_bound_batch_never_leave_the_largest_budget(monke
     takes 4.4 ms and the verifies differ by 0.03 ms: from the first step on, B = 32 only, and
     no statistics."""
     ticks = iter(i * 0.0044 for i in range(1000)).__next__
-    monkeypatch.setattr(_HostMark, "record", lambda self: setattr(self, "t", ticks()))
+    monkeypatch.setattr(_HostMark, "__init__", lambda self: setattr(self, "t", ticks()))
     ab = gated({4: {7: 0.11, 15: 0.12, 32: 0.14}}, explore_every=2)
     ab._timer.cuda = False
     picks = []

@@ -146,7 +146,6 @@ def test_kv_reservation_stays_inside_the_row(monkeypatch, serving_ddtree):
                                        torch.zeros(4, dtype=torch.long))
     inp.prepare_for_decode(batch)
     assert seen["nxt_kv_lens_cpu"].tolist() == [76, width, width, 170]
-    assert inp.longest_reservation == width  # the step's clamp reads it
     assert seen["num_needed_tokens"] == 56 + (width - 280)
     assert batch.seq_lens_cpu.tolist() == [10, 250, 240, 100]
     assert draft_input.max_step_seq_len(batch.req_to_token_pool.req_to_token, 33) == 256 + 4
@@ -185,68 +184,6 @@ def test_penalty_state_counts_outputs_per_slot():
     assert sorted(t for t in p.stop_tokens[1].tolist() if t >= 0) == [2, 5, 9]
     assert request_seeds([a, plain], "cpu") is None
     assert request_seeds([a, b], "cpu").tolist() == [-1, 11]
-
-
-class _Batch:
-    """What SGLang's penalizer orchestrator reads of a ScheduleBatch (it keeps a weak
-    reference to it)."""
-
-    def __init__(self, reqs: list) -> None:
-        self.reqs, self.device = reqs, "cpu"
-
-
-def test_a_batch_without_penalties_is_known_from_sglang_s_sampling_info():
-    """may_use_penalties, on SGLang's own SamplingBatchInfo and penalizer orchestrator: the
-    scheduler's sampling info and the copy a forward gets (copy_for_forward) say a batch
-    uses no penalty exactly when no request has one of the four settings; PenaltyState.params
-    then looks at no request."""
-    from sglang.srt.sampling import penaltylib
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-    from ddtree_sglang.sglang_plugin.request_state import (PenaltyState, may_use_penalties,
-                                                           penalty_settings)
-
-    def req(**sp):
-        params = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-                      min_new_tokens=0, stop_token_ids=None, sampling_seed=None)
-        params.update(sp)
-        return SimpleNamespace(sampling_params=SimpleNamespace(**params),
-                               tokenizer=SimpleNamespace(eos_token_id=2,
-                                                         additional_stop_token_ids=None))
-
-    def sampling_info(reqs: list) -> SamplingBatchInfo:
-        batch = _Batch(reqs)
-        bs = len(reqs)
-        info = SamplingBatchInfo(
-            temperatures=torch.ones(bs, 1), top_ps=torch.ones(bs),
-            top_ks=torch.ones(bs, dtype=torch.int32), min_ps=torch.zeros(bs),
-            is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False,
-            need_top_k_sampling=False, need_min_p_sampling=False, vocab_size=10, device="cpu",
-            penalizer_orchestrator=penaltylib.BatchedPenalizerOrchestrator(
-                vocab_size=10, batch=batch, penalizers={
-                    penaltylib.BatchedFrequencyPenalizer, penaltylib.BatchedMinNewTokensPenalizer,
-                    penaltylib.BatchedPresencePenalizer, penaltylib.BatchedRepetitionPenalizer}))
-        info.batch = batch  # keeps the orchestrator's batch alive
-        return info
-
-    batches = [[req(), req()], [req(), req(frequency_penalty=0.5)],
-               [req(presence_penalty=-0.2)], [req(repetition_penalty=1.1), req()],
-               [req(min_new_tokens=3)]]
-    for reqs in batches:
-        uses = any(penalty_settings(r) is not None for r in reqs)
-        info = sampling_info(reqs)
-        assert may_use_penalties(info) == uses
-        assert may_use_penalties(info.copy_for_forward()) == uses
-    assert may_use_penalties(None)  # no sampling info: the requests say
-
-    class Untouchable(list):
-        def __iter__(self):
-            raise AssertionError("a request was looked at")
-
-    state = PenaltyState(rows=4, vocab=10, device="cpu")
-    plain = Untouchable(batches[0])
-    assert state.params(plain, sampling_info(batches[0]).copy_for_forward()) is None
-    assert state.params(batches[1], sampling_info(batches[1]).copy_for_forward()) is not None
 
 
 def test_graph_padding_returns_the_real_rows():

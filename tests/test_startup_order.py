@@ -209,7 +209,7 @@ def test_ddtree_starts_in_sglang_s_order_and_sizes_its_step_by_the_pool(started)
     stages, step = worker.ddtree_stages, worker.ddtree_step
     assert stages.tree.out.max_bs == rows  # a batch as large as the pool fits
     assert stages.accept.choice.shape[0] == rows * max(stages.widths)
-    assert type(step.io) is DFlashModelIO and step.io.req_to_token_pool is pool
+    assert type(step.io) is DFlashModelIO and step.io.req_to_token is pool.req_to_token
     assert step.penalties.rows == rows
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("sglang")
 
 from ddtree_bench.step_host import VARIANTS, measure_variant  # noqa: E402
 
-RESULTS = "benchmarks/results/step_host_cpu_2026-12-07d"
+RESULTS = "benchmarks/results/step_host_cpu_2026-12-07c"
 BASELINE = Path(__file__).resolve().parents[1] / RESULTS / "step_host.json"
 RERUN = f"python benchmarks/step_host.py --out {RESULTS}"
 TOTALS = {"py_calls": "py_by_module", "c_calls": "c_by_module", "aten_ops": "ops_by_name",

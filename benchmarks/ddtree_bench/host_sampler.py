@@ -25,10 +25,9 @@ host-samples-TP-<rank>.json is written into the request's output_dir with the st
 
 Stages come from the sampled stack: the part of the scheduler's event loop (the method the loop
 called: run_batch, process_batch_result, ...) and, inside a speculative step, the stage: the
-`# stage: <name>` sections of DDTREE's DecodeStep.run and the `stage_span` blocks of its
-run_observed (the names its spec_stage_span spans carry in a torch trace; run_observed runs
-while a profiler records or the host clock is on), and the numbered sections ("# --- 1) ...")
-of DFLASH's DFlashWorkerV2.forward_batch_generation.
+`stage_span` blocks of DDTREE's DecodeStep.run (the names its spec_stage_span spans carry in a
+torch trace) and the numbered sections ("# --- 1) ...") of DFLASH's
+DFlashWorkerV2.forward_batch_generation.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ PROFILER = "sglang.srt.managers.scheduler_components.profiler_manager.SchedulerP
 
 # (file suffix, function name) of the functions whose source is split into stages
 STAGED = frozenset({("ddtree_sglang/sglang_plugin/decode_step.py", "run"),
-                    ("ddtree_sglang/sglang_plugin/decode_step.py", "run_observed"),
                     ("sglang/srt/speculative/dflash_worker_v2.py", "forward_batch_generation")})
 # the scheduler's event loops: a sample's loop part is the method the loop called
 LOOPS = frozenset({("sglang/srt/managers/scheduler.py", "event_loop_overlap"),
@@ -67,7 +65,6 @@ TRANSPARENT = frozenset({"wrapper", "decorate_context", "pop_and_process"})
 
 SPAN = re.compile(r'^\s*with\b.*\bstage_span\("([^"]+)"\)')
 SECTION = re.compile(r"^\s*#\s*---\s*(\d+\)\s*.*?)\.?\s*$")
-STAGE = re.compile(r"^\s*#\s*stage:\s*(\w+)\s*$")  # `none`: no stage from here on
 _LOOP = "loop"  # a code's rule: one of the event loops
 
 
@@ -88,9 +85,8 @@ def function_name(code: CodeType) -> str:
 
 def stage_lines(code: CodeType) -> dict[int, str]:
     """{line: stage} over a staged function's source: a `with ...stage_span("name"):` block
-    is stage `name` to its end; a `# --- N) title` comment starts section `N) title`, and a
-    `# stage: name` comment stage `name` (`none`: no stage), each running to the next one.
-    Lines in neither have no stage."""
+    is stage `name` to its end; a `# --- N) title` comment starts section `N) title`, which
+    runs to the next one.  Lines in neither have no stage."""
     lines = linecache.getlines(code.co_filename)
     last = max((line for *_, line in code.co_lines() if line), default=code.co_firstlineno)
     stages: dict[int, str] = {}
@@ -103,8 +99,6 @@ def stage_lines(code: CodeType) -> dict[int, str]:
             span = None
         if m := SECTION.match(text):
             section = m[1]
-        if m := STAGE.match(text):
-            section = None if m[1] == "none" else m[1]
         if m := SPAN.match(text):
             span, span_indent = m[1], indent
         if span or section:

@@ -318,22 +318,17 @@ def sglang_stand_ins(counter: OpCounter) -> Iterator[None]:
 
 def fixed_step_timer(serving_budget, counter: OpCounter, period_ms: float = STEP_MS) -> None:
     """The batch-aware budget's step timer reads a clock that advances `period_ms` per step
-    (each step records one mark: a CUDA event's record, stood in), so what it learns, and
-    chooses, is the same every run."""
+    (each step starts one mark), so what it learns, and chooses, is the same every run."""
     from ddtree_sglang.sglang_plugin.serving_budget import _HostMark
 
     marks = itertools.count()
 
-    def new_mark() -> _HostMark:
+    def mark() -> _HostMark:
         made = _HostMark()
-
-        def record() -> None:
-            made.t = next(marks) * period_ms / 1e3
-
-        made.record = StandIn("step timer mark (CUDA event record)", record, counter)
+        made.t = next(marks) * period_ms / 1e3
         return made
 
-    serving_budget._timer._new_mark = new_mark
+    serving_budget._timer._mark = StandIn("step timer mark (CUDA event)", mark, counter)
 
 
 def build_ddtree(bs_max: int, budget: int, budgets: tuple[int, ...], counter: OpCounter):
@@ -363,7 +358,6 @@ def build_ddtree(bs_max: int, budget: int, budgets: tuple[int, ...], counter: Op
                            lambda fn, pool: ReplayStandIn(fn, counter)), \
             mock.patch.object(torch.cuda, "graph_pool_handle", lambda: None):
         stages.accept.capture(range(1, bs_max + 1))
-    stages.freeze()  # as the worker freezes them after its captures
     worker = stand_in_worker(DDTreeWorker, bs_max, counter, stages.tree.tail_hook)
     io = DFlashModelIO(worker, Kernels(), BLOCK, budget + 1, VOCAB, tree_in_draft_graph=True)
     io._kv_move_buffers = ("ptrs", "row bytes", 0)
@@ -397,20 +391,11 @@ def build_dflash(bs_max: int, counter: OpCounter):
 
 def make_batch(worker, bs: int) -> SimpleNamespace:
     """A running decode batch of `bs` greedy requests without penalties, as the worker's step
-    receives it: its relay state the worker's own kind, as prepare_for_decode leaves it (the
-    scheduler's part, not run here: DDTREE's keeps its longest KV reservation, committed +
-    2 x the verify width), its sampling info as a forward's copy (no penalizer orchestrator,
-    no accumulated penalties)."""
+    receives it (its relay state the worker's own kind)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
-    from ddtree_sglang.sglang_plugin.draft_input import DDTreeDraftInput
-
     seq = torch.full((bs,), SEQ_LEN, dtype=torch.int64)
-    relay = worker._make_next_draft_input_decode(
-        bonus_tokens=torch.zeros(bs, dtype=torch.int64), new_seq_lens=seq)
-    if isinstance(relay, DDTreeDraftInput):
-        relay.longest_reservation = SEQ_LEN + 2 * worker.ddtree_step.settings.verify_width
     req = SimpleNamespace(sampling_params=SimpleNamespace(
         frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0,
         stop_token_ids=None, sampling_seed=None, logit_bias=None))
@@ -422,7 +407,9 @@ def make_batch(worker, bs: int) -> SimpleNamespace:
     return SimpleNamespace(
         forward_mode=ForwardMode.DECODE, is_extend_in_batch=False, return_logprob=False,
         seq_lens=seq, seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()),
-        spec_info=relay, has_grammar=False, reqs=[req] * bs, sampling_info=greedy,
+        spec_info=worker._make_next_draft_input_decode(
+            bonus_tokens=torch.zeros(bs, dtype=torch.int64), new_seq_lens=seq),
+        has_grammar=False, reqs=[req] * bs, sampling_info=greedy,
         req_pool_indices=torch.arange(bs), top_logprobs_nums=None, token_ids_logprobs=None,
         out_cache_loc=None, input_ids=None, device="cpu")
 
@@ -487,14 +474,14 @@ def count_calls(rig: Rig, bs: int, window: int, top: int = 20) -> dict:
 
 def count_ops(rig: Rig, bs: int, window: int) -> dict:
     """aten ops (views among them) and stood-in launches per step over `window` steps, by op,
-    and DDTREE's ops by stage: the window's last step runs with the stage clock on (through
-    DecodeStep.run_observed, the same tensor ops as the default path), the others as the
-    worker runs them (no clock)."""
+    and DDTREE's ops by stage (the last step's)."""
+    from ddtree_sglang.sglang_plugin.host_timing import NoClock
+
     counter, clock = rig.counter, StageTimes(rig.counter)
+    if rig.step is not None:
+        rig.step.clock = clock
     counter.reset()
-    for i in range(window):
-        if rig.step is not None:
-            rig.step.clock = clock if i == window - 1 else None
+    for _ in range(window):
         batch = make_batch(rig.worker, bs)
         with counter:
             rig.worker.forward_batch_generation(batch)
@@ -503,14 +490,16 @@ def count_ops(rig: Rig, bs: int, window: int) -> dict:
                ops_by_name={k: v / window for k, v in counter.by_op.most_common()})
     if rig.step is not None:
         out["stage_ops"] = clock.ops[-1]
-        rig.step.clock = None  # as the worker builds it
+        rig.step.clock = NoClock()  # as the worker builds it
     return out
 
 
 def time_steps(rig: Rig, bs: int, steps: int, warmup: int) -> dict:
-    """Median host µs per step over `steps` steps as the worker runs them (no clock), then
-    per DDTREE stage over as many more with the stage clock on (through run_observed): noisy
-    on a shared CPU, never asserted."""
+    """Median host µs per step (and per DDTREE stage) over `steps` steps: noisy on a shared
+    CPU, never asserted."""
+    clock = StageTimes(rig.counter)
+    if rig.step is not None:
+        rig.step.clock = clock
     totals = []
     for i in range(warmup + steps):
         batch = make_batch(rig.worker, bs)
@@ -520,12 +509,9 @@ def time_steps(rig: Rig, bs: int, steps: int, warmup: int) -> dict:
             totals.append((time.perf_counter() - started) * 1e6)
     out = dict(host_us=round(statistics.median(totals), 1))
     if rig.step is not None:
-        clock = rig.step.clock = StageTimes(rig.counter)
-        for _ in range(steps):
-            rig.worker.forward_batch_generation(make_batch(rig.worker, bs))
-        rig.step.clock = None
-        out["stages_us"] = {k: round(statistics.median(s[k] for s in clock.steps), 1)
-                            for k in clock.steps[0]}
+        timed = clock.steps[warmup:]
+        out["stages_us"] = {k: round(statistics.median(s[k] for s in timed), 1)
+                            for k in timed[0]}
     return out
 
 

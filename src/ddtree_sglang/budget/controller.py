@@ -35,7 +35,6 @@ from collections import deque
 import torch
 
 logger = logging.getLogger(__name__)
-INF = float("inf")
 
 
 def expected_by_depth_per_request(scores: torch.Tensor, depths: torch.Tensor,
@@ -111,15 +110,10 @@ def choose_budget(batch_size: int, expected_accepted, step_ms, current: int | No
     Ties go to the smaller budget (the first index).  With `current` (an index), the best
     replaces it only if it promises more than `min_gain` (a fraction) over it: estimates
     that differ by less than their noise do not flip the budget from step to step."""
-    if isinstance(expected_accepted, torch.Tensor):
-        expected_accepted = expected_accepted.tolist()
-    if isinstance(step_ms, torch.Tensor):
-        step_ms = step_ms.tolist()
-    rates = [(a + batch_size) / ms for a, ms in zip(expected_accepted, step_ms)]
-    best = 0
-    for i in range(1, len(rates)):  # the first of the highest rates
-        if rates[i] > rates[best]:
-            best = i
+    accepted = _floats(expected_accepted)
+    costs = _floats(step_ms)
+    rates = [(a + batch_size) / ms for a, ms in zip(accepted, costs)]
+    best = max(range(len(rates)), key=lambda i: (rates[i], -i))
     if current is not None and rates[best] <= rates[current] * (1.0 + min_gain):
         return current
     return best
@@ -134,22 +128,15 @@ def largest_budget_gain_bound(verify_ms, period_ms: float) -> float:
     the verify time it saves: at most saved / (period - saved).  When that is below what the
     cost estimates can resolve, choosing is pure overhead (the testbed server, host-bound:
     verify graphs 0.03 ms apart in a 4-13 ms step)."""
-    return gain_bound(verify_saving(verify_ms), period_ms)
+    times = _floats(verify_ms)
+    if not times or times[-1] == float("inf"):  # the largest budget's cost is unknown
+        return float("inf")
+    saved = max(times[-1] - min(times), 0.0)
+    return saved / (period_ms - saved) if period_ms > saved else float("inf")
 
 
-def verify_saving(verify_ms) -> float:
-    """The most verify time (ms) a smaller candidate saves over the largest (verify_ms as in
-    largest_budget_gain_bound; inf where the largest budget's cost is unknown)."""
-    times = verify_ms.tolist() if isinstance(verify_ms, torch.Tensor) else verify_ms
-    if not len(times) or times[-1] == INF:
-        return INF
-    return max(times[-1] - min(times), 0.0)
-
-
-def gain_bound(saved_ms: float, period_ms: float) -> float:
-    """largest_budget_gain_bound from the verify time saved (verify_saving)."""
-    return saved_ms / (period_ms - saved_ms) if period_ms > saved_ms else INF
-
+def _floats(x) -> list[float]:
+    return x.tolist() if isinstance(x, torch.Tensor) else [float(v) for v in x]
 
 
 class StepCosts:
@@ -169,44 +156,35 @@ class StepCosts:
         self.table = {int(bs): {int(b): float(ms) for b, ms in row.items()}
                       for bs, row in table.items()}
         self.batches = sorted(self.table)
-        # batch size -> its cost row, as batch_row found it (per-step callers read it here
-        # first: rows are >= 1)
-        self.rows: dict[int, int] = {}
-
-    # Whether a step's period is known, and how many times a cost changed (a fixed table:
-    # always known, never changed).
-    knows_period = True
-    version = 0
 
     def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         """[len(budgets)] step times at this batch size, inf where not measured."""
-        return self.row_costs(self.batch_row(batch_size), budgets)
-
-    def row_costs(self, row: int, budgets: list[int]) -> list[float]:
-        """row_ms of the batch sizes whose cost row is `row` (batch_row)."""
-        measured = self.table[row]
-        return [measured.get(b, INF) for b in budgets]
+        measured = self.table[self.batch_row(batch_size)]
+        return [measured.get(b, float("inf")) for b in budgets]
 
     def batch_row(self, batch_size: int) -> int:
         """The measured batch size whose costs stand for `batch_size`."""
-        row = self.rows.get(batch_size)
-        if row is None:
-            row = self.rows[batch_size] = self.batches[
-                min(bisect.bisect_left(self.batches, batch_size), len(self.batches) - 1)]
-        return row
+        return self.batches[min(bisect.bisect_left(self.batches, batch_size),
+                                len(self.batches) - 1)]
 
     def verify_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         """The budget-dependent part of each step's cost (here: the whole step)."""
-        return self.verify_costs(self.batch_row(batch_size), budgets)
+        return self.row_ms(batch_size, budgets)
 
-    def verify_costs(self, row: int, budgets: list[int]) -> list[float]:
-        """verify_ms of the batch sizes whose cost row is `row`."""
-        return StepCosts.row_costs(self, row, budgets)
+    @property
+    def knows_period(self) -> bool:
+        """Whether a step's period is known (a fixed table: always)."""
+        return True
 
     def least_sampled(self, batch_size: int, budgets: list[int]) -> int:
         """The budget to explore: a fixed table learns nothing from it, so the largest."""
         known = [b for b in budgets if b in self.table[self.batch_row(batch_size)]]
         return known[-1]
+
+    @property
+    def version(self) -> int:
+        """Counts the changes of any cost (a fixed table: never)."""
+        return 0
 
 
 class LiveStepCosts(StepCosts):
@@ -243,12 +221,10 @@ class LiveStepCosts(StepCosts):
         self._live_steps = 0  # live steps counted so far, all cells
         self._medians: dict[tuple[int, int], float] = {}  # sampled cells, kept on observe
         self.rest_ms: dict[int, float] = {}
-        self.version = 0  # counts the observations that changed a cost
-        self.knows_period = False  # whether any live step was timed (rest_ms has a row):
-        # before that, the startup table holds verify times only, not what a step takes
+        self._version = 0  # counts the observations that changed a cost
 
     def observe(self, batch_size: int, budget: int, step_ms: float) -> None:
-        key = self.rows.get(batch_size) or self.batch_row(batch_size)
+        key = self.batch_row(batch_size)
         verify = self.table[key].get(budget)
         if verify is None or not step_ms > 0:
             return
@@ -259,25 +235,33 @@ class LiveStepCosts(StepCosts):
             rest = self._rest.setdefault(key, deque(maxlen=self.window))
             rest.append(max(step_ms - verify, 0.0))
             self.rest_ms[key] = statistics.median(rest)
-            self.knows_period = True
         cell = self._cells.setdefault((key, budget), deque(maxlen=self.window))
         cell.append(step_ms)
         if len(cell) >= self.min_samples:
             self._medians[(key, budget)] = statistics.median(cell)
         self._live_steps += 1
         self._last[(key, budget)] = self._live_steps
-        self.version += 1
+        self._version += 1
 
-    def row_costs(self, row: int, budgets: list[int]) -> list[float]:
-        measured, medians = self.table[row], self._medians
-        rest = self.rest_ms.get(row)
-        if rest is None:
-            rest = self._rest_of(row)
-        return [medians.get((row, b), measured.get(b, INF) + rest) for b in budgets]
+    @property
+    def version(self) -> int:
+        return self._version
 
-    def verify_costs(self, row: int, budgets: list[int]) -> list[float]:
+    @property
+    def knows_period(self) -> bool:
+        """Whether any live step has been timed (before that, the startup table holds verify
+        times only, not what a step takes)."""
+        return bool(self.rest_ms)
+
+    def row_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
+        key = self.batch_row(batch_size)
+        rest = self._rest_of(key)
+        return [self._medians.get((key, b), ms + rest)
+                for b, ms in zip(budgets, self.verify_ms(batch_size, budgets))]
+
+    def verify_ms(self, batch_size: int, budgets: list[int]) -> list[float]:
         """The startup (verify-only) costs of this batch row, inf where not measured."""
-        return StepCosts.row_costs(self, row, budgets)
+        return StepCosts.row_ms(self, batch_size, budgets)
 
     def _rest_of(self, key: int) -> float:
         """The remainder of batch row `key`, else of the nearest row with one (0 before any)."""
@@ -343,7 +327,6 @@ class BudgetController:
         self._announced: dict[int, bool] = {}  # cost row -> the judgement last logged
         self._row_steps: dict[int, int] = {}
         self._last_choice: dict[int, int] = {}  # cost row -> budget
-        self._savings: dict[int, float] = {}  # cost row -> verify_saving of its startup costs
         self.steps = dict.fromkeys(self.budgets, 0)
 
     def calibrated(self, depth_probs: torch.Tensor) -> torch.Tensor:
@@ -355,13 +338,13 @@ class BudgetController:
         """The budget for a batch of `bs` requests (host floats only).  expected [K]: the
         expected accepted tokens per request of each candidate, None before any is known."""
         largest = self.budgets[-1]
-        row = self.costs.rows.get(bs) or self.costs.batch_row(bs)
+        row = self.costs.batch_row(bs)
         if not self.engaged(bs, row) or expected is None:
             return largest
         self._row_steps[row] = self._row_steps.get(row, 0) + 1
         if self.explore_every and self._row_steps[row] % self.explore_every == 0:
             return self.costs.least_sampled(bs, self.budgets)
-        step_ms = self.costs.row_costs(row, self.budgets)
+        step_ms = self.costs.row_ms(bs, self.budgets)
         current = self.budgets.index(self._last_choice.get(row, largest))
         budget = self.budgets[choose_budget(bs, [e * bs for e in expected], step_ms, current,
                                             self.min_gain)]
@@ -388,11 +371,9 @@ class BudgetController:
         if self.min_gain > 0 and not self.costs.knows_period:
             self._gate[row] = (version, False)
             return False
-        saved = self._savings.get(row)
-        if saved is None:  # the startup costs never change
-            saved = self._savings[row] = verify_saving(self.costs.verify_costs(row, self.budgets))
-        period = self.costs.row_costs(row, self.budgets[-1:])[0]
-        bound = gain_bound(saved, period)
+        verify = self.costs.verify_ms(bs, self.budgets)
+        period = self.costs.row_ms(bs, self.budgets[-1:])[0]
+        bound = largest_budget_gain_bound(verify, period)
         engaged = bound >= self.min_gain
         if self._announced.get(row) != engaged:
             self._announced[row] = engaged
@@ -401,8 +382,7 @@ class BudgetController:
                             "%.1f%% over B=%d (verify ms %s, step %.2f ms; least gain acted on "
                             "%.3g)", bs, "chooses per step" if engaged else
                             "verifies the largest budget", 100 * bound, self.budgets[-1],
-                            [round(x, 3) for x in self.costs.verify_costs(row, self.budgets)],
-                            period, self.min_gain)
+                            [round(x, 3) for x in verify], period, self.min_gain)
             if not engaged:
                 self._last_choice.pop(row, None)
         self._gate[row] = (version, engaged)
@@ -415,26 +395,15 @@ class BudgetController:
         it predicts nothing and teaches nothing); accepted [bs]: draft tokens each request
         accepted (bonus excluded).  Returns the updated expected accepted tokens per request
         of every candidate [K], or None where no statistics ran this step."""
-        if not self.counts(bs, budget):
-            return None
-        return self.learn(bs, budget, depth_probs, accepted)
-
-    def counts(self, bs: int, budget: int) -> bool:
-        """observe's first half: counts a verify of `budget` (host work only) and says whether
-        its statistics run this step; `learn` is the second half, so that an engine prepares
-        what learn reads only in the steps that run it."""
         self.steps[budget] += 1
         if budget == 0:
-            return False
-        cached = self._gate.get(self.costs.rows.get(bs) or self.costs.batch_row(bs))
+            return None
+        cached = self._gate.get(self.costs.batch_row(bs))
         if cached is not None and not cached[1]:  # no choice at this batch size
-            return False
+            return None
         self._observed += 1
-        return not (self._observed % self.stats_every and self._seen)
-
-    def learn(self, bs: int, budget: int, depth_probs: torch.Tensor,
-              accepted: torch.Tensor) -> torch.Tensor:
-        """observe's statistics (tensor work only), where `counts` said they run."""
+        if self._observed % self.stats_every and self._seen:
+            return None
         predicted = depth_probs.sum(0)  # [K, D]
         self.calibration.update(predicted[self.budgets.index(budget)], accepted)
         per_request = self.calibration.corrected(predicted) / bs

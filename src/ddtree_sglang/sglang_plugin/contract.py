@@ -165,7 +165,6 @@ CONTRACT: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.spec_utils.spec_stage_span": ("name",),
     "sglang.srt.utils.async_probe.maybe_detect_nan": ("tensor", "msg"),
     "sglang.srt.utils.async_probe.maybe_detect_inf": ("tensor", "msg"),
-    "sglang.srt.environ.envs.SGLANG_ENABLE_ASYNC_ASSERT": (),
     "sglang.srt.speculative.spec_utils.traverse_tree":
         ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens", "grammar",
          "allocate_token_bitmask", "vocab_size"),
@@ -245,28 +244,6 @@ SOURCE_LINES: dict[str, tuple[str, str]] = {
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase._replay_metadata":
         ("if forward_mode.is_target_verify() and self.topk > 1:",
          "the replayed verify fills the tree-link buffers"),
-    # DDTREE's stage spans are entered only while a torch profiler records
-    # (sglang_api.spans_recorded): SGLang's spec stage span asks for no NVTX range, and its
-    # profile_range emits a span only while the profiler records
-    "sglang.srt.speculative.spec_utils.spec_stage_span":
-        ("return profile_range(name)", "a stage span is a profile range without NVTX"),
-    "sglang.srt.utils.nvtx_utils.profile_range":
-        ("record = torch.autograd._profiler_enabled()",
-         "a profile range records only under a torch profiler"),
-    # the step decides once at startup whether it runs SGLang's NaN / Inf checks on the
-    # verify logits (sglang_api.async_asserts_on): both are off unless this switch is on
-    "sglang.srt.utils.async_probe.maybe_detect_nan":
-        ("if not envs.SGLANG_ENABLE_ASYNC_ASSERT.get():", "the NaN check is off unless asked"),
-    "sglang.srt.utils.async_probe.maybe_detect_inf":
-        ("if not envs.SGLANG_ENABLE_ASYNC_ASSERT.get():", "the Inf check is off unless asked"),
-    # a batch without penalties is known from its sampling info alone
-    # (request_state.may_use_penalties): the forward's copy has no orchestrator and carries
-    # the accumulated penalties, set exactly when the orchestrator requires them
-    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.copy_for_forward":
-        ("self.update_penalties()", "a forward's sampling info carries the batch's penalties"),
-    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.update_penalties":
-        ("if self.penalizer_orchestrator.is_required:",
-         "the accumulated penalties exist exactly when the penalizers are required"),
     "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update":
         ("HAS_EAGLE_TREE_CUSTOM_ATTN_MASK=retrieve_next_token is not None,",
          "the conv kernel scans each node's path from the links"),
@@ -312,8 +289,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo":
         ("is_all_greedy", "temperatures", "top_ks", "top_ps", "min_ps",
          "need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling", "vocab_size",
-         "grammar_mask", "penalizer_orchestrator", "acc_additive_penalties"),
-    "sglang.srt.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator": ("is_required",),
+         "grammar_mask"),
     "sglang.srt.sampling.sampling_params.SamplingParams":
         ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
          "stop_token_ids", "sampling_seed", "max_new_tokens"),

@@ -1,8 +1,8 @@
 """The DDTREE decode step: DFLASH's block draft turned into a tree, verified in one target pass.
 
-`DecodeStep.run` begins (the batch's one change, the budget for this batch), runs four stages
-over the records of step_records.py, the verify through its width's runtime, and ends (the
-budget's observation):
+`DecodeStep.run` begins (the batch's one change, the budget for this batch, the step clock),
+runs four stages over the records of step_records.py, the verify inside its width's runtime
+(`verify_runtime`), and ends (the budget's observation, the clock):
 
   draft and tree    the block [bonus, MASK x (bs-1)] through the drafter once; its CUDA graph
                     ends in the tree stage (graphed_stages.TreeStage): the drafter's full
@@ -26,17 +26,14 @@ budget's observation):
                     off the same node logits when asked.
 No stage reads tensors back to the host, except in steps with a grammar: the grammar walks
 (SGLANG_DDTREE_GRAMMAR path or auto, in steps where a constrained request walks) read the
-target's top-K per node (greedy) or each depth's draws (sampled).  While a profiler records,
-each stage runs inside SGLang's profiler span of its name, so a trace names it, and the host
-clock (SGLANG_DDTREE_DEBUG=host_timing) marks the stages when on: both through
-`DecodeStep.run_observed`, so a step nobody observes does neither.  The step reaches the
-models and DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captures
-its graphs.
+target's top-K per node (greedy) or each depth's draws (sampled).  Each stage runs inside
+SGLang's profiler span of its name, so a trace names it.  The step reaches the models and
+DFLASH's buffers only through `io` (model_io.py); worker.py builds it and captures its graphs.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -51,7 +48,6 @@ from ddtree_sglang.sglang_plugin.grammar_stage import (MaskCosts, grammar_choice
                                                       sampled_grammar_choices,
                                                       start_grammar_step)
 from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
-from ddtree_sglang.sglang_plugin.draft_input import DDTreeDraftInput
 from ddtree_sglang.sglang_plugin.model_io import ModelIO
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState, request_seeds
 from ddtree_sglang.sglang_plugin.settings import DDTreeSettings
@@ -97,108 +93,84 @@ class DecodeStep:
     """One DDTREE decode step over a running batch, built from what it uses: the settings,
     the vocabulary size, the model I/O, the tree and accept stages (graphed by startup), the
     penalty and grammar-cost state kept across steps, the batch-aware budget (None: B pinned)
-    and the host clock (None: off)."""
+    and the host clock."""
 
     def __init__(self, settings: DDTreeSettings, vocab_size: int, io: ModelIO,
                  stages: GraphedStages, penalties: PenaltyState, mask_costs: MaskCosts,
                  serving_budget: ServingBudget | None = None,
-                 clock: StageClock | None = None) -> None:
+                 clock: StageClock | NoClock | None = None) -> None:
         self.settings, self.vocab_size, self.io, self.stages = settings, vocab_size, io, stages
         self.penalties, self.mask_costs, self.serving_budget = penalties, mask_costs, serving_budget
-        self.clock = clock
-        self.check_logits = sg.async_asserts_on()  # SGLang's NaN / Inf checks, decided once
-        # The batch-aware budget's narrower widths verify through their own runtimes (the
-        # configured width, its largest, through the target's as it is).
-        self.narrow_runtimes = {} if serving_budget is None else {
-            w: r for w, r in serving_budget.runtimes.items() if w != settings.verify_width}
-        self._drafted: dict[tuple[int, int], DraftedTree] = {}  # (bs, width) -> views
+        self.clock = clock or NoClock()
         self.depth, self.out_width = settings.depth, settings.block_size
 
     def run(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
-        """The decode step: its four stages in order, each taking the records before it.  Where
-        a profiler records or the host clock is on, `run_observed` runs the same stages (the
-        profiler check is one builtin call; the `# stage:` comments name the stages for
-        benchmarks/ddtree_bench/host_sampler.py)."""
-        if self.clock is not None or sg.spans_recorded():
-            return self.run_observed(batch, on_publish, grammar_barrier)
-        plan = self.begin_step(batch)
-        # stage: ddtree_draft_tree
-        tree = self.draft_tree(batch, plan, grammar_barrier)
-        # stage: ddtree_verify
-        verified = self.verify(batch, plan, tree, grammar_barrier)
-        # stage: ddtree_sample_accept
-        accepted = self.sample_and_accept(batch, plan, tree, verified)
-        # stage: ddtree_commit
-        result = self.commit(batch, plan, tree, verified, accepted, on_publish)
-        # stage: none
-        if self.serving_budget is not None:
-            self.end_step(plan, tree, verified, accepted)
-        return result
-
-    def run_observed(self, batch, on_publish: Callable | None = None, grammar_barrier=None):
-        """`run` with each stage inside SGLang's profiler span of its name (so that a trace
-        names DDTREE's stages) and the host clock's marks between them (host_timing.py)."""
-        clock = self.clock or NoClock()
-        clock.start(len(batch.seq_lens))
+        """The decode step: its four stages in order, each taking the records before it."""
         plan = self.begin_step(batch)
         with sg.stage_span("ddtree_draft_tree"):
             tree = self.draft_tree(batch, plan, grammar_barrier)
-        clock.mark("draft + tree")
-        with sg.stage_span("ddtree_verify"):
+        self.clock.mark("draft + tree")
+        with self.verify_runtime(plan.width), sg.stage_span("ddtree_verify"):
             verified = self.verify(batch, plan, tree, grammar_barrier)
-        clock.mark("verify")
+        self.clock.mark("verify")
         with sg.stage_span("ddtree_sample_accept"):
             accepted = self.sample_and_accept(batch, plan, tree, verified)
-        clock.mark("sample + accept")
+        self.clock.mark("sample + accept")
         with sg.stage_span("ddtree_commit"):
             result = self.commit(batch, plan, tree, verified, accepted, on_publish)
-        clock.mark("commit")
-        if self.serving_budget is not None:
-            self.end_step(plan, tree, verified, accepted)
-        clock.end()
+        self.clock.mark("commit")
+        self.end_step(plan, tree, verified, accepted)
         return result
 
     def begin_step(self, batch) -> StepPlan:
         """The step's plan (batch size, budget, the relay state it starts from); starts the
-        budget controller's step.  The one place the step itself changes the batch it is
-        given: seq_lens clamped (below), where a length could need it.  Two more writes happen where SGLang's
+        step clock and the budget controller's step.  The one place the step itself changes
+        the batch it is given: seq_lens clamped (below).  Two more writes happen where SGLang's
         conventions put them, each through patches.py: its verify preparation's fields
         (model_io.DFlashModelIO.target_verify; no stage reads them back: the tree's KV slots
         travel in Verified) and the reset of sampling_info.grammar_mask, which would otherwise
         carry the prefill's mask into the step (grammar_stage.start_grammar_step)."""
         draft_input = batch.spec_info
-        # DDTREE's own relay state first: an isinstance against SGLang's abstract base class
-        # costs a Python call
-        if type(draft_input) is not DDTreeDraftInput and \
-                not isinstance(draft_input, sg.DFlashDraftInputV2):
+        if not isinstance(draft_input, sg.DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
         if batch.seq_lens.is_cuda:  # made on the scheduler's stream, used on this one
             batch.seq_lens.record_stream(torch.cuda.current_stream())
-        bs = batch.seq_lens.shape[0]
+        bs = len(batch.seq_lens)
+        self.clock.start(bs)
         # A request that already finished on the GPU can get one more step under overlap
         # scheduling; keep its writes inside its own row (see draft_input.py).  A running
-        # request is never clamped, and no length passes its request's KV reservation: where
-        # every reservation of this step ends inside the bound (prepare_for_decode's
-        # longest_reservation), no length can need the clamp.  (The KV reservation is always
-        # the largest width's.)
-        longest = getattr(draft_input, "longest_reservation", None)
-        if longest is None or longest > self.io.max_step_seq_len:
-            patches.clamp_seq_lens(batch, self.io.max_step_seq_len)
+        # request is never clamped.  (The KV reservation is always the largest width's.)
+        patches.clamp_seq_lens(batch, self.io.max_step_seq_len())
         serving_budget = self.serving_budget
         budget = self.settings.budget if serving_budget is None else serving_budget.choose(bs)
         if serving_budget is not None:
             serving_budget.start_step(bs, budget)
-        return StepPlan(bs=bs, budget=budget, width=budget + 1, draft_input=draft_input)
+        return StepPlan(bs=bs, budget=budget, draft_input=draft_input)
 
     def end_step(self, plan: StepPlan, tree: DraftedTree, verified: Verified,
                  accepted: Accepted) -> None:
-        """The batch-aware budget's end of a step: its controller learns what the step
-        committed, and each request's budget is reported."""
-        serving_budget = self.serving_budget
-        serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
-                               accepted.commit.commit_lens)
-        patches.report_per_request(verified.logits_output, "ddtree_budget",
-                                   serving_budget.report(plan.bs, plan.budget))
+        """The budget controller learns what the step committed (and each request's budget
+        is reported when traced); the step clock stops."""
+        if self.serving_budget is not None:
+            self.serving_budget.observe(plan.bs, plan.budget, tree.depth_probs,
+                                          accepted.commit.commit_lens)
+            patches.report_per_request(verified.logits_output, "ddtree_budget",
+                                       [plan.budget] * plan.bs)
+        self.clock.end()
+
+    @contextmanager
+    def verify_runtime(self, width: int):
+        """The target verifies through `width`'s attention backend and CUDA graphs (the
+        batch-aware budget's), and everything else through the configured width's again
+        afterwards, also when the verify fails."""
+        runner = self.io.target_runner
+        configured = sg.verify_runtime(runner)
+        if self.serving_budget is not None:
+            patches.set_verify_runtime(runner, self.serving_budget.runtimes[width])
+        try:
+            yield
+        finally:
+            patches.set_verify_runtime(runner, configured)
 
     def draft_tree(self, batch, plan: StepPlan, grammar_barrier=None) -> DraftedTree:
         """One drafter pass over [bonus, MASK...] for every request, whose CUDA graph ends in
@@ -220,48 +192,26 @@ class DecodeStep:
                 forced = grammar_spines(batch.reqs, self.depth, hidden.device) if spine else None
                 stage.run(hidden[:, 1:, :], plan.draft_input.bonus_tokens, batch.seq_lens,
                           forced)
-        tree = self._drafted.get((plan.bs, plan.width)) or self.drafted(plan.bs, plan.width)
+        out = stage.read(plan.bs)
+        layout = out.layouts[plan.width]
+        grammar_tree = None
         if batch.has_grammar:
-            layout = tree.layout
-            tree = replace(tree, grammar_tree=sg.GrammarTree.from_device(
+            grammar_tree = sg.GrammarTree.from_device(
                 retrieve_next_token=layout.retrieve_next_token,
                 retrieve_next_sibling=layout.retrieve_next_sibling,
-                draft_token=layout.draft_tokens.view(plan.bs, plan.width)))
-        return tree
-
-    def drafted(self, bs: int, width: int) -> DraftedTree:
-        """The tree stage's results for `bs` requests at `width`, without a grammar tree: views
-        of its fixed buffers (and mask targets, set before the step is built), made once per
-        shape."""
-        tree = self._drafted.get((bs, width))
-        if tree is None:
-            out = self.stages.tree.read(bs)
-            tree = self._drafted[(bs, width)] = DraftedTree(
-                layout=out.layouts[width], grammar_tree=None,
-                depth_probs=out.depth_probs if width > 1 else None,
-                mask_positions=out.mask_positions.get(width),
-                mask_buffer=self.stages.tree.mask_buffer(width, bs))
-        return tree
+                draft_token=layout.draft_tokens.view(plan.bs, plan.width))
+        return DraftedTree(layout=layout, grammar_tree=grammar_tree,
+                           depth_probs=out.depth_probs if plan.budget > 0 else None,
+                           mask_positions=out.mask_positions.get(plan.width))
 
     def verify(self, batch, plan: StepPlan, tree: DraftedTree, grammar_barrier) -> Verified:
-        """The target's pass over every tree node, and the grammar's part of the step, built
-        on the host while that pass runs.  A narrower width of the batch-aware budget verifies
-        through its own attention backend and CUDA graphs, the configured ones restored after
-        the pass, also when it fails; the configured width verifies through the target's
-        runtime as it is."""
-        runner = self.io.target_runner
-        runtime = self.narrow_runtimes.get(plan.width)
-        if runtime is not None:
-            configured = patches.swap_verify_runtime(runner, runtime)
-        try:
-            logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
-                batch, plan.draft_input, tree.layout, tree.mask_positions, tree.mask_buffer)
-            backend = runner.attn_backend  # the one that ran this verify
-        finally:
-            if runtime is not None:
-                patches.set_verify_runtime(runner, configured)
-        if self.check_logits:
-            sg.detect_nan(logits_output.next_token_logits, "DDTREE verify logits")
+        """The target's pass over every tree node (through the runtime the pipeline set, see
+        verify_runtime), and the grammar's part of the step, built on the host while that
+        pass runs."""
+        logits_output, forward_batch, can_run_graph, slots = self.io.target_verify(
+            batch, plan.draft_input, tree.layout, tree.mask_positions,
+            self.stages.tree.mask_buffer(plan.width, plan.bs))
+        sg.detect_nan(logits_output.next_token_logits, "DDTREE verify logits")
         grammar_step = None
         if tree.grammar_tree is not None:
             grammar_step = start_grammar_step(batch, tree.grammar_tree, plan.width, grammar_barrier,
@@ -269,7 +219,8 @@ class DecodeStep:
                                          self.settings.grammar_method, self.mask_costs)
         return Verified(logits_output=logits_output, logits=logits_output.next_token_logits,
                         forward_batch=forward_batch, can_run_graph=can_run_graph,
-                        grammar_step=grammar_step, out_cache_loc=slots, attn_backend=backend)
+                        grammar_step=grammar_step, out_cache_loc=slots,
+                        attn_backend=self.io.target_runner.attn_backend)
 
     def sample_and_accept(self, batch, plan: StepPlan, tree: DraftedTree,
                           verified: Verified) -> Accepted:
@@ -281,24 +232,29 @@ class DecodeStep:
         grammar_step = verified.grammar_step
         if grammar_step is not None and grammar_step.mask is not None:
             grammar_step.mask.apply(logits)
-        si = batch.sampling_info
-        penalties = self.penalties.params(batch.reqs, si)
+        penalties = self.penalties.params(batch.reqs)
         if penalties is not None:
             counts, out_len = self.penalties.rows_of(batch.req_pool_indices)
             penalise_nodes(logits.view(bs, n, -1)[..., : self.vocab_size], counts, out_len,
                            penalties, lay.draft_tokens.view(bs, n), lay.tree_parents,
                            lay.tree_depths, self.depth)
         sg.apply_dflash_verify_logits_adjustments(
-            next_token_logits=logits, sampling_info=si, draft_token_num=n)
-        # seeds only steer draws: a greedy batch takes the argmax, whatever its seeds
-        seeds = None if si is None or si.is_all_greedy else request_seeds(batch.reqs,
-                                                                          logits.device)
-        accept = self.stages.accept
-        choice_in, verify_slots = accept.input_views.get((bs, n)) or accept.inputs(bs, n)
-        choice = sample_per_node(logits, si, n, seeds, lay.positions,
+            next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=n)
+        seeds = request_seeds(batch.reqs, logits.device)
+        choice_in, verify_slots = self.stages.accept.inputs(bs, n)
+        choice = sample_per_node(logits, batch.sampling_info, n, seeds, lay.positions,
                                  out=choice_in.view(-1)).view(bs, n)
-        if grammar_step is not None:
-            choice = self.grammar_walks(grammar_step, si, lay, logits, choice, seeds)
+        choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
+                                 self.mask_costs)
+
+        def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
+            index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
+            flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
+            return sample_for_requests(rows, batch.sampling_info, index, seeds,
+                                       lay.positions.index_select(0, flat))
+
+        choice = sampled_grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
+                                         sample, self.mask_costs)
         if choice.data_ptr() != choice_in.data_ptr():  # sampled or walked: a tensor of its own
             choice_in.copy_(choice)
         verify_slots.copy_(verified.out_cache_loc)
@@ -310,24 +266,6 @@ class DecodeStep:
         return Accepted(choice=choice_in, commit=commit, slots=slots, penalties=penalties,
                         logits=logits)
 
-    def grammar_walks(self, grammar_step, sampling_info, lay, logits: torch.Tensor,
-                      choice: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
-        """The choices [bs, n] with each walking request's path replaced by its grammar's walk:
-        the greedy walks' choices, then the sampled walks' draws (rows with their request's
-        settings and seeds, at their nodes' positions)."""
-        n = choice.shape[1]
-        choice = grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
-                                 self.mask_costs)
-
-        def sample(rows: torch.Tensor, req_rows: list[int], nodes: list[int]) -> torch.Tensor:
-            index = torch.tensor(req_rows, dtype=torch.long, device=rows.device)
-            flat = index * n + torch.tensor(nodes, dtype=torch.long, device=rows.device)
-            return sample_for_requests(rows, sampling_info, index, seeds,
-                                       lay.positions.index_select(0, flat))
-
-        return sampled_grammar_choices(grammar_step, logits, choice, n, self.vocab_size,
-                                       sample, self.mask_costs)
-
     def commit(self, batch, plan: StepPlan, tree: DraftedTree, verified: Verified,
                accepted: Accepted, on_publish):
         """A hybrid target's recurrent state of each last accepted node (while the lengths are
@@ -336,8 +274,7 @@ class DecodeStep:
         extend), then the accepted path's KV to its committed positions, its target features
         into the draft KV, the committed tokens' logprobs; the step's result."""
         step, slots = accepted.commit, accepted.slots
-        if self.io.has_recurrent_state:
-            self.io.commit_recurrent_state(verified.attn_backend, batch, step, plan.width)
+        self.io.commit_recurrent_state(verified.attn_backend, batch, step, plan.width)
         new_seq_lens = slots.new_seq_lens
         if on_publish is not None:
             on_publish(new_seq_lens)

@@ -26,18 +26,13 @@ def max_step_seq_len(req_to_token: torch.Tensor, verify_width: int) -> int:
 
 
 class DDTreeDraftInput(sg.DFlashDraftInputV2):
-    """DFlashDraftInputV2 whose decode reservation never passes the request's row, and which
-    keeps the longest reservation of its step (None before prepare_for_decode ran)."""
-
-    longest_reservation: int | None = None
+    """DFlashDraftInputV2 whose decode reservation never passes the request's row."""
 
     def prepare_for_decode(self, batch) -> None:
         """DFLASH's prepare_for_decode (a copy, guarded by contract.COPIED) with each request's
         reservation bounded by its row: the KV slots of this step allocated, the batch's host
         lengths set (through patches.py), the reserved lengths kept for the step's host
-        bounds (model_io.DFlashModelIO.host_seq_lens_bound) and the longest of them for its
-        clamp (decode_step.DecodeStep.begin_step: no request's committed length on the GPU
-        passes its KV allocation, which the reservation covers)."""
+        bounds (model_io.DFlashModelIO.host_seq_lens_bound)."""
         bs = batch.batch_size()
         if bs == 0:
             return
@@ -48,7 +43,7 @@ class DDTreeDraftInput(sg.DFlashDraftInputV2):
         nxt_cpu = self._prepare_nxt_kv_lens_cpu_buf[:bs]
         width = int(sg.runtime_spec().speculative_num_draft_tokens)
         row_end = int(batch.req_to_token_pool.req_to_token.shape[1])
-        needed = committed_sum = reserved_sum = longest = 0
+        needed = committed_sum = reserved_sum = 0
         for i, req in enumerate(batch.reqs):
             committed = int(req.kv_committed_len)
             allocated = int(req.kv.kv_allocated_len)
@@ -57,8 +52,6 @@ class DDTreeDraftInput(sg.DFlashDraftInputV2):
             committed_sum += committed
             reserved_sum += reserved
             needed += reserved - allocated
-            if reserved > longest:
-                longest = reserved
         self.max_top_k, self.uniform_top_k_value = 1, None  # DFLASH's sampling verify only
 
         caller = torch.get_device_module(batch.device).current_stream() \
@@ -80,7 +73,6 @@ class DDTreeDraftInput(sg.DFlashDraftInputV2):
         patches.set_host_seq_lens(batch, committed_cpu, committed_sum)
         self.reserved_seq_lens_cpu = nxt_cpu
         self.reserved_seq_lens_sum = reserved_sum
-        self.longest_reservation = longest
 
 
 _EMPTY: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -97,14 +89,13 @@ def _empty_fields(bs: int, device) -> tuple[torch.Tensor, ...]:
     return _EMPTY[key]
 
 
+def _int64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 else x.to(torch.int64)
+
+
 def make_draft_input(bonus_tokens: torch.Tensor, new_seq_lens: torch.Tensor) -> DDTreeDraftInput:
-    """The relay state of the next step (its bonus tokens and lengths, int64 as DFLASH relays
-    them; the decode step's already are)."""
-    bs, device = new_seq_lens.shape[0], bonus_tokens.device
-    empty = _EMPTY.get((bs, str(device))) or _empty_fields(bs, device)
-    if bonus_tokens.dtype != torch.int64:
-        bonus_tokens = bonus_tokens.to(torch.int64)
-    if new_seq_lens.dtype != torch.int64:
-        new_seq_lens = new_seq_lens.to(torch.int64)
-    return DDTreeDraftInput(topk_p=empty[0], topk_index=empty[1], bonus_tokens=bonus_tokens,
-                            new_seq_lens=new_seq_lens, hidden_states=empty[2])
+    """The relay state of the next step (its bonus tokens and lengths)."""
+    topk_p, topk_index, hidden = _empty_fields(int(new_seq_lens.numel()), bonus_tokens.device)
+    return DDTreeDraftInput(topk_p=topk_p, topk_index=topk_index,
+                            bonus_tokens=_int64(bonus_tokens), new_seq_lens=_int64(new_seq_lens),
+                            hidden_states=hidden)

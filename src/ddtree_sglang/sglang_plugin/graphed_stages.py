@@ -195,9 +195,8 @@ class AcceptStage:
         self.forced_len = torch.ones(tree.out.max_bs, dtype=torch.long, device=device)
         self._walk = kernels.accept_stage if simulated is None else forced_accept_stage(
             self.forced_len, 100 if simulated.token_mode == "fixed" else None)
-        # Views handed to the step, made once per shape: (bs, width[, slot]) -> views; the
-        # step reads input_views directly once inputs() made them.
-        self.input_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Views handed to the step, made once per shape: (bs, width[, slot]) -> views.
+        self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._outputs: dict[tuple[int, int, int], tuple[StepCommit, CommitSlots]] = {}
         self._padded: dict[tuple[int, int, int], int | None] = {}
         # The ring per verify width (a narrow verify moves fewer KV rows): width -> 2 slots.
@@ -210,10 +209,10 @@ class AcceptStage:
     def inputs(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([bs, width] choice, [bs * width] KV slots): where the step writes this step's
         target choices and verify slots (the same view objects every time)."""
-        views = self.input_views.get((bs, width))
+        views = self._inputs.get((bs, width))
         if views is None:
-            views = self.input_views[(bs, width)] = (self.choice[: bs * width].view(bs, width),
-                                                     self.slots[: bs * width])
+            views = self._inputs[(bs, width)] = (self.choice[: bs * width].view(bs, width),
+                                                 self.slots[: bs * width])
         return views
 
     def _accept(self, bs: int, width: int) -> tuple:

@@ -20,11 +20,6 @@ from ddtree_sglang.sglang_plugin import hybrid, patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input, max_step_seq_len
 
 
-# One inference-mode context for every draft pass (entered once at a time, as DFLASH's block
-# draft enters its own): making one costs three Python calls a step.
-_INFERENCE_MODE = torch.inference_mode()
-
-
 def draft_logits(lm_head, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[bs, L, H] drafter states -> [bs, L, V] logits through the target's lm_head."""
     weight = lm_head.weight
@@ -35,8 +30,8 @@ class ModelIO(Protocol):
     """What the decode step calls; DFlashModelIO's methods say what each does."""
 
     target_runner: Any  # the target's ModelRunner (its verify runtime is swapped per width)
-    max_step_seq_len: int  # the largest committed length a step may start from
-    has_recurrent_state: bool  # a hybrid target's: committed after the walk
+
+    def max_step_seq_len(self) -> int: ...
 
     def draft_block(self, batch, draft_input) -> tuple[torch.Tensor, bool]: ...
 
@@ -63,21 +58,20 @@ class DFlashModelIO:
         self.worker, self.kernels = worker, kernels
         self.tree_in_draft_graph = tree_in_draft_graph  # the draft graphs end in the tree
         self.block_size, self.verify_width, self.vocab_size = block_size, verify_width, vocab_size
-        # What every step reads of the worker, looked up once: the target worker (a property
-        # of SGLang's spec worker), its runner, the request pool (whose req_to_token table is
-        # read each step: SGLang owns and may rebuild it; its rows' width is the server's).
-        self.target_worker = worker.target_worker
-        self.target_runner = self.target_worker.model_runner
-        self.req_to_token_pool = worker.model_runner.req_to_token_pool
-        self.max_step_seq_len = max_step_seq_len(self.req_to_token_pool.req_to_token,
-                                                 verify_width)
-        self.has_recurrent_state = hybrid.linear_backend(self.target_runner.attn_backend) \
-            is not None
+        self.target_runner = worker.target_worker.model_runner
         self.device = worker.device
         self._kv_move_buffers = None  # resolved at the first decode (the KV pool exists then)
 
-    # The relay state of the next step (its bonus tokens and lengths).
-    next_draft_input = staticmethod(make_draft_input)
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """The request-to-KV-slot table (read each step: SGLang owns and may rebuild it)."""
+        return self.worker.model_runner.req_to_token_pool.req_to_token
+
+    def max_step_seq_len(self) -> int:
+        return max_step_seq_len(self.req_to_token, self.verify_width)
+
+    def next_draft_input(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor):
+        return make_draft_input(bonus_tokens, seq_lens)
 
     def host_seq_lens_bound(self, batch, draft_input, extra: int):
         """Host-side per-request upper bounds on the committed lengths, and their sum.
@@ -97,7 +91,7 @@ class DFlashModelIO:
         states, whether the pass ran the draft CUDA graph whose tail built the trees): the
         block draft of DFlashWorkerV2.forward_batch_generation (a copy, guarded by
         contract.COPIED), stopping before DFLASH's argmax: the tree needs the states."""
-        w, bs, block = self.worker, batch.seq_lens.shape[0], self.block_size
+        w, bs, block = self.worker, len(batch.seq_lens), self.block_size
         w._ensure_draft_block_buffers(bs)
         width = w._draft_block_ids_buf.shape[1]  # a shape, read on the host
         if width != block:
@@ -108,20 +102,14 @@ class DFlashModelIO:
         cache_loc_2d = w._draft_verify_out_cache_loc_buf[:bs]
         sg.prepare_dflash_draft_block(
             bonus_tokens=draft_input.bonus_tokens.view(-1), prefix_lens=batch.seq_lens.view(-1),
-            req_pool_indices=batch.req_pool_indices.view(-1),
-            req_to_token=self.req_to_token_pool.req_to_token,
+            req_pool_indices=batch.req_pool_indices.view(-1), req_to_token=self.req_to_token,
             block_ids_out=block_ids, positions_out=positions_2d, cache_loc_out=cache_loc_2d,
             mask_token_id=int(w._mask_token_id))
         # The drafter's forward casts these to its own dtype (patches.keep_embeds_dtype).
         embeds = self.target_runner.model.get_input_embeddings()(block_ids)
+        seq_lens_cpu, seq_lens_sum = self.host_seq_lens_bound(batch, draft_input, block)
         cpu_buf = w._draft_seq_lens_cpu_buf[:bs]
-        if batch.seq_lens_cpu is not None:  # committed + one block, in DFLASH's own buffer
-            cpu_buf.copy_(batch.seq_lens_cpu)
-            cpu_buf.add_(block)
-            seq_lens_sum = int(cpu_buf.sum())
-        else:
-            seq_lens_cpu, seq_lens_sum = self.host_seq_lens_bound(batch, draft_input, block)
-            cpu_buf.copy_(seq_lens_cpu)
+        cpu_buf.copy_(seq_lens_cpu)
         forward_batch = sg.ForwardBatch(
             forward_mode=sg.ForwardMode.TARGET_VERIFY, batch_size=bs,
             input_ids=block_ids.flatten(), req_pool_indices=batch.req_pool_indices,
@@ -130,7 +118,7 @@ class DFlashModelIO:
             positions=positions_2d.reshape(-1), input_embeds=embeds.view(-1, embeds.shape[-1]),
             spec_algorithm=sg.SpeculativeAlgorithm.DFLASH, spec_info=w._draft_block_spec_info,
             capture_hidden_mode=sg.CaptureHiddenMode.NULL)
-        with _INFERENCE_MODE:
+        with torch.inference_mode():
             out = w.draft_model_runner.forward(forward_batch)
         hidden = out.logits_output.hidden_states
         if hidden is None:
@@ -150,7 +138,7 @@ class DFlashModelIO:
         verify input from batch.spec_info (set here, and left there as DFLASH leaves it) and
         the host lengths (set for the call, restored after), and writes the verify's
         input_ids, out_cache_loc (the tree's KV slots, returned) and forward mode."""
-        n = layout.retrieve_index.shape[1]  # this step's width (the bound: the widest step)
+        n = layout.num_tokens_per_req  # this step's width (the bound: the widest step)
         seq_lens_cpu, seq_lens_sum = self.host_seq_lens_bound(batch, draft_input,
                                                               self.verify_width)
         mask = mask_buffer if mask_buffer is not None else full_mask(
@@ -162,10 +150,11 @@ class DFlashModelIO:
             retrieve_next_sibling=layout.retrieve_next_sibling, retrieve_cum_len=None,
             spec_steps=self.block_size - 1, topk=1, draft_token_num=n,
             capture_hidden_mode=sg.CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
-        forward_batch, can_run_graph = patches.prepare_verify_on_batch(
-            batch, verify_input, seq_lens_cpu, seq_lens_sum, self.req_to_token_pool,
-            self.target_worker)
-        out = self.target_worker.forward_batch_generation(
+        with patches.verify_on_batch(batch, verify_input, seq_lens_cpu, seq_lens_sum):
+            forward_batch, can_run_graph = sg.eagle_prepare_for_verify(
+                verify_input, self.worker.model_runner.req_to_token_pool, batch,
+                self.worker.target_worker)
+        out = self.worker.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True)
         return out.logits_output, forward_batch, can_run_graph, batch.out_cache_loc
 

@@ -136,13 +136,6 @@ def set_verify_runtime(model_runner, runtime: tuple) -> None:
     model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
 
 
-def swap_verify_runtime(model_runner, runtime: tuple) -> tuple:
-    """set_verify_runtime, returning the pair it replaces (sglang_api.verify_runtime's)."""
-    replaced = model_runner.attn_backend, model_runner.decode_cuda_graph_runner
-    model_runner.attn_backend, model_runner.decode_cuda_graph_runner = runtime
-    return replaced
-
-
 def report_per_request(logits_output, key: str, values: list) -> None:
     """One value per request of this step, which SGLang appends to each request's
     meta_info[key] (a list with one entry per decode step of that request)."""
@@ -173,18 +166,17 @@ def set_host_seq_lens(batch, seq_lens_cpu, seq_lens_sum: int) -> None:
     batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
 
 
-def prepare_verify_on_batch(batch, verify_input, seq_lens_cpu, seq_lens_sum: int,
-                            req_to_token_pool, target_worker):
-    """EAGLE's verify preparation (eagle_prepare_for_verify) -> (forward batch, graphed); it
-    reads its input from batch.spec_info and the host lengths from the batch: spec_info is set
-    and left there, as DFLASH leaves its verify input; the host lengths hold the step's bound
-    for the call and are restored after, also when it fails."""
+@contextmanager
+def verify_on_batch(batch, verify_input, seq_lens_cpu, seq_lens_sum: int):
+    """EAGLE's verify preparation (eagle_prepare_for_verify) reads its input from
+    batch.spec_info and the host lengths from the batch: spec_info is set and left there, as
+    DFLASH leaves its verify input; the host lengths hold the step's bound for the call and
+    are restored after, also when it fails."""
     batch.spec_info = verify_input
     saved = batch.seq_lens_cpu, batch.seq_lens_sum
     batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
     try:
-        return sg.eagle_prepare_for_verify(verify_input, req_to_token_pool, batch,
-                                           target_worker)
+        yield
     finally:
         batch.seq_lens_cpu, batch.seq_lens_sum = saved
 

@@ -41,26 +41,11 @@ def min_new_stop_tokens(req: Any) -> set[int]:
 
 def request_seeds(reqs: list, device) -> torch.Tensor | None:
     """[bs] each request's sampling_seed (-1 = none), or None when no request has one."""
-    seeds = [r.sampling_params.sampling_seed for r in reqs]
-    if seeds.count(None) == len(seeds):
+    seeds = [getattr(r.sampling_params, "sampling_seed", None) for r in reqs]
+    if all(s is None for s in seeds):
         return None
     return torch.tensor([-1 if s is None else int(s) for s in seeds],
                         dtype=torch.long).to(device, non_blocking=True)
-
-
-def may_use_penalties(sampling_info) -> bool:
-    """Whether a request of the batch may use a penalty, from SGLang's own batch-level record,
-    in O(1): the scheduler's sampling info keeps it in its penalizers' orchestrator
-    (is_required: some request has one of penalty_settings' four settings), the copy a forward
-    gets (copy_for_forward: no orchestrator) in the penalties accumulated for it, there
-    exactly when they are required (contract.SOURCE_LINES).  Without sampling info, the
-    requests themselves say."""
-    if sampling_info is None:
-        return True
-    orchestrator = sampling_info.penalizer_orchestrator
-    if orchestrator is not None:
-        return orchestrator.is_required
-    return sampling_info.acc_additive_penalties is not None
 
 
 class PenaltyState:
@@ -103,12 +88,8 @@ class PenaltyState:
                                accumulate=True)
         self.out_len.index_add_(0, slots, torch.ones_like(slots))
 
-    def params(self, reqs: list, sampling_info=None) -> PenaltyParams | None:
-        """Per-request settings for a decode batch, or None when no request uses penalties
-        (known from the batch's `sampling_info` without a look at the requests where SGLang
-        records none, see may_use_penalties)."""
-        if not may_use_penalties(sampling_info):
-            return None
+    def params(self, reqs: list) -> PenaltyParams | None:
+        """Per-request settings for a decode batch, or None when no request uses penalties."""
         settings = [penalty_settings(r) for r in reqs]
         if all(s is None for s in settings):
             return None

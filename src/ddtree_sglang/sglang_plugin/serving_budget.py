@@ -37,23 +37,20 @@ class LaggedHostCopy:
 
     push() starts a non-blocking copy into pinned memory unless the previous one is still in
     flight; latest() returns the newest copy that has landed (None before the first).  A CPU
-    tensor is copied at once (tests).  One copy is in flight at most, so one CUDA event, made
-    at the first push, marks each."""
+    tensor is copied at once (tests)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._host = torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
         self._value: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
-        self._in_flight = False
 
     def _harvest(self) -> bool:
-        """Whether no copy is in flight (any that was is now the latest)."""
-        if not self._in_flight:
+        if self._event is None:
             return True
         if not self._event.query():
             return False
         self._value = self._host.clone()
-        self._in_flight = False
+        self._event = None
         return True
 
     def push(self, x: torch.Tensor) -> None:
@@ -63,25 +60,18 @@ class LaggedHostCopy:
             self._value = x.detach().clone()
             return
         self._host.copy_(x, non_blocking=True)
-        if self._event is None:
-            self._event = torch.cuda.Event()
+        self._event = torch.cuda.Event()
         self._event.record()
-        self._in_flight = True
 
     def latest(self) -> torch.Tensor | None:
-        if self._in_flight:
-            self._harvest()
+        self._harvest()
         return self._value
 
 
 class _HostMark:
-    """A CPU stand-in for a timing CUDA event (the worker on a CPU-only test machine): `t` is
-    the host clock when last recorded."""
+    """A CPU stand-in for a timing CUDA event (the worker on a CPU-only test machine)."""
 
     def __init__(self) -> None:
-        self.t = 0.0
-
-    def record(self) -> None:
         self.t = time.perf_counter()
 
     def query(self) -> bool:
@@ -108,16 +98,17 @@ class StepTimer:
         self.max_pending = max_pending
         self.cuda = torch.cuda.is_available()
         self._open: tuple | None = None  # (key, mark) of the last step started
-        self._spare: list = []  # marks read back and no longer in any interval
 
-    def _new_mark(self):
-        return torch.cuda.Event(enable_timing=True) if self.cuda else _HostMark()
+    def _mark(self):
+        if not self.cuda:
+            return _HostMark()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start(self, key: tuple) -> None:
-        """A decode step of `key` starts: the previous one (if its chain is unbroken) ends.
-        Its mark is a spare one re-recorded where one is spare (no event made per step)."""
-        mark = self._spare.pop() if self._spare else self._new_mark()
-        mark.record()
+        """A decode step of `key` starts: the previous one (if its chain is unbroken) ends."""
+        mark = self._mark()
         if self._open is not None and len(self._pending) < self.max_pending:
             self._pending.append((*self._open, mark))
         self._open = (key, mark)
@@ -127,13 +118,10 @@ class StepTimer:
         self._open = None
 
     def finished(self) -> list[tuple[tuple, float]]:
-        """The intervals whose end the GPU has reached, timed, in order.  Each one's start is
-        then spare (the interval before it, which ended there, was read back first)."""
         done = []
         while self._pending and self._pending[0][2].query():
             key, start, end = self._pending.popleft()
             done.append((key, start.elapsed_time(end)))
-            self._spare.append(start)
         return done
 
 
@@ -149,7 +137,6 @@ class ServingBudget:
         self._lagged_src: torch.Tensor | None = None  # the copy `_expected` came from
         self._expected: list[float] | None = None
         self._timer = StepTimer()
-        self._reports: dict[tuple[int, int], list[int]] = {}
 
     def expected(self) -> list[float] | None:
         """The newest landed copy of the per-request expected acceptance, as host floats
@@ -175,21 +162,15 @@ class ServingBudget:
 
     def observe(self, bs: int, budget: int, depth_probs: torch.Tensor,
                 commit_lens: torch.Tensor) -> None:
-        """After the acceptance walk (GPU work only, and that only in steps whose statistics
-        run).  depth_probs [bs, K, D]: the tree stage's predicted acceptance per candidate and
-        depth (None after a step without a draft); commit_lens [bs]: accepted + bonus."""
-        controller = self.controller
-        if controller.counts(bs, budget):  # never after a step without a draft (budget 0)
-            self._lagged.push(controller.learn(bs, budget, depth_probs, commit_lens.long() - 1))
-
-    def report(self, bs: int, budget: int) -> list[int]:
-        """Each request's budget of this step, as SGLang reports values per request
-        (patches.report_per_request; its consumers only read them): one list per batch size
-        and budget."""
-        made = self._reports.get((bs, budget))
-        if made is None:
-            made = self._reports[(bs, budget)] = [budget] * bs
-        return made
+        """After the acceptance walk (GPU work only).  depth_probs [bs, K, D]: the tree stage's
+        predicted acceptance per candidate and depth (None after a step without a draft);
+        commit_lens [bs]: accepted + bonus."""
+        if budget == 0:  # no draft: nothing predicted, nothing to learn
+            self.controller.observe(bs, 0, None, None)
+            return
+        expected = self.controller.observe(bs, budget, depth_probs, commit_lens.long() - 1)
+        if expected is not None:
+            self._lagged.push(expected)
 
 
 def verify_costs(runtimes: dict[int, tuple], time_graphs) -> LiveStepCosts | None:

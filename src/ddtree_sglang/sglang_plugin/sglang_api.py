@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-import torch
-
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 from sglang.kernels.ops.attention.merge_state import merge_state_triton
 from sglang.kernels.ops.speculative.dflash import (
@@ -25,7 +23,6 @@ from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attenti
 from sglang.srt.constrained.base_grammar_backend import GrammarMask
 from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
 from sglang.srt.distributed.parallel_state import get_tp_group
-from sglang.srt.environ import envs
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -106,27 +103,14 @@ def simulated_commit_len(mean: float, max_len: int) -> int:
 
 
 def stage_span(name: str):
-    """SGLang's profiler span of a speculative stage (a shared no-op unless a profiler
-    records), so that a trace names DDTREE's stages."""
+    """SGLang's profiler span of a speculative stage (a shared no-op unless a profiler or NVTX
+    is on), so that a trace names DDTREE's stages."""
     return spec_stage_span(name)
-
-
-# Whether SGLang's stage spans record: spec_stage_span is profile_range without NVTX, which
-# emits a span only while a torch profiler records, as this builtin says (contract.SOURCE_LINES
-# holds both lines); a builtin, so the step checks it without a Python call.
-spans_recorded = torch.autograd._profiler_enabled
-
-
-def async_asserts_on() -> bool:
-    """SGLang's switch for its asynchronous asserts and NaN / Inf checks
-    (SGLANG_ENABLE_ASYNC_ASSERT; contract.SOURCE_LINES holds that the checks ask it): read
-    once at startup, so a step with the checks off does not read the environment."""
-    return bool(envs.SGLANG_ENABLE_ASYNC_ASSERT.get())
 
 
 def detect_nan(tensor, what: str) -> None:
     """SGLang's asynchronous NaN and Inf checks (no host wait; on only under
-    SGLANG_ENABLE_ASYNC_ASSERT, see async_asserts_on), as EAGLE runs them on its logits."""
+    SGLANG_ENABLE_ASYNC_ASSERT), as EAGLE runs them on its logits."""
     maybe_detect_nan(tensor, what)
     maybe_detect_inf(tensor, what)
 
@@ -253,6 +237,8 @@ def time_verify_graphs(runner, reps: int = 3) -> dict[int, float] | None:
     """Milliseconds per replay of each captured verify graph, by batch size, or None when the
     runner's graphs are not plain full CUDA graphs.  Run at startup only (it synchronises):
     the replays reuse the capture's own static inputs, so they touch only the padding slot."""
+    import torch
+
     backend = getattr(runner, "backend", None)
     if type(backend) is not FullCudaGraphBackend:
         return None

@@ -19,14 +19,16 @@ from ddtree_sglang.sampling.penalties import PenaltyParams
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What this step verifies: bs requests, each a tree of `budget` nodes plus its root
-    (width = budget + 1 verify tokens, kept as a field: the stages read it often), from the
-    relay state the previous step left (draft_input: its bonus tokens are the roots)."""
+    """What this step verifies: bs requests, each a tree of `budget` nodes plus its root, from
+    the relay state the previous step left (draft_input: its bonus tokens are the roots)."""
 
     bs: int
     budget: int
-    width: int
     draft_input: Any = None
+
+    @property
+    def width(self) -> int:
+        return self.budget + 1
 
 
 @dataclass(frozen=True)
@@ -41,19 +43,12 @@ class DraftedTree:
     mask_positions [bs, n, n]: where the layout's ancestor blocks go in the verify's flat
         mask (verify_layout.mask_positions, from the tree stage), None where the stage did not
         compute this width's.
-    mask_buffer: the target backend's verify-mask buffer the tree stage wrote this width's
-        blocks into (graphed_stages.TreeStage.mask_buffer), None where the verify builds the
-        mask.
-
-    Without a grammar tree the record holds only views of the tree stage's fixed buffers, so
-    one per batch size and width serves every step.
     """
 
     layout: VerifyLayout
     depth_probs: torch.Tensor | None
     grammar_tree: Any | None
     mask_positions: torch.Tensor | None = None
-    mask_buffer: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ddtree_sglang.sglang_plugin import hybrid, patches, sglang_api as sg
 from ddtree_sglang.sglang_plugin.serving_budget import ServingBudget, build_serving_budget
 from ddtree_sglang.sglang_plugin.draft_input import make_draft_input
 from ddtree_sglang.sglang_plugin.grammar_stage import MaskCosts
-from ddtree_sglang.sglang_plugin.host_timing import StageClock
+from ddtree_sglang.sglang_plugin.host_timing import NoClock, StageClock
 from ddtree_sglang.sglang_plugin.model_io import DFlashModelIO, draft_logits
 from ddtree_sglang.sglang_plugin.request_state import PenaltyState
 from ddtree_sglang.sglang_plugin.server_args import settings_from_args
@@ -188,7 +188,7 @@ class DDTreeWorker(sg.DFlashWorkerV2):
             patches.add_capture_tail_hook(self.draft_model_runner, stages.tree.tail_hook)
             self.ddtree_tail_installed = True
         super().init_cuda_graphs()
-        clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else None
+        clock = StageClock() if s.host_timing and self.ps.tp_rank == 0 else NoClock()
         rows = int(self.model_runner.req_to_token_pool.req_to_token.shape[0])
         io = DFlashModelIO(self, self.ddtree_kernels, s.block_size, s.verify_width,
                            self.ddtree_vocab_size, tree_in_draft_graph=self.ddtree_tail_installed)
