@@ -221,15 +221,15 @@ def _hybrid_errors(args: Any, hf: dict, unchecked: bool) -> list[str]:
     verify is chain-only; text-only Qwen3.5 checkpoints, whose SGLang class captures no drafter
     features, and other recurrent layers are refused."""
     arch = next(iter(hf.get("architectures") or []), "")
-    reason = hybrid_reason(hf)
-    if reason is None and arch not in NO_FEATURE_CAPTURE:
-        return []
     if arch in NO_FEATURE_CAPTURE:
         return [f"DDTREE (like DFLASH) needs the target's hidden states for its drafter, and "
                 f"SGLang {NO_FEATURE_CAPTURE[arch]} serves {arch} without capturing them (no "
                 "set_dflash_layers_to_capture); accepted: the Qwen3.5 / 3.6 vision-language "
                 "checkpoints (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditional"
                 "Generation) and Qwen3-Next"]
+    reason = hybrid_reason(hf)
+    if reason is None:
+        return []
     if not gdn_hybrid(hf):
         return [f"DDTREE does not support this hybrid target ({reason}); accepted: "
                 "full-attention targets, and gated-delta hybrids (Qwen3.5, Qwen3.6, Qwen3-Next) "
